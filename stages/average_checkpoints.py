@@ -1,0 +1,32 @@
+"""Stage average_checkpoints: the mean of the last average.last_k checkpoints, as one model file."""
+
+from pathlib import Path
+
+import click
+
+from transformer import checkpoints
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+
+
+@click.command()
+@PARAMS
+@click.option("--checkpoints", "ckpt_dir", required=True, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="averaged model file")
+@click.option("--track/--no-track", default=True, show_default=True, help="log the model to the training's MLflow run")
+@stage
+def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
+    last_k = load_params(params_path).average.last_k
+    model = checkpoints.average_checkpoints(ckpt_dir, last_k)
+    checkpoints.save(out, model)
+    click.echo(f"averaged {', '.join(model['averaged'])} into {out}", err=True)
+    if track and model.get("mlflow_run_id"):
+        from transformer.tracking import Tracker
+
+        tracker = Tracker("", run_id=model["mlflow_run_id"])
+        tracker.log_artifact(out, "model")
+        tracker.end()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Stage download: the corpus named in params, from its URLs or $TRANSFORMER_DATA_MIRROR, verified."""
+
+from pathlib import Path
+
+import click
+
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+from transformer.download import download_corpus
+
+
+@click.command()
+@PARAMS
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="directory for <split>.<lang> text files")
+@stage
+def main(params_path: Path, out: Path) -> None:
+    d = load_params(params_path).data
+    counts = download_corpus(d.registry, d.corpus, (d.src_lang, d.tgt_lang), out)
+    click.echo(", ".join(f"{name}: {n} lines" for name, n in counts.items()), err=True)
+
+
+if __name__ == "__main__":
+    main()

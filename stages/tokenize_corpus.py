@@ -1,0 +1,30 @@
+"""Stage tokenize: spaCy rule-based, reversible; empty and over-long pairs leave train only."""
+
+from pathlib import Path
+
+import click
+
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+from transformer.io import atomic_dir, write_json
+from transformer.tokenize import tokenize_corpus
+
+
+@click.command()
+@PARAMS
+@click.option("--raw", required=True, type=click.Path(path_type=Path), help="download's output directory")
+@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--report", required=True, type=click.Path(path_type=Path), help="JSON counts of kept and dropped pairs")
+@stage
+def main(params_path: Path, raw: Path, out: Path, report: Path) -> None:
+    params = load_params(params_path)
+    d = params.data
+    splits = sorted({p.name.rsplit(".", 1)[0] for p in raw.glob(f"*.{d.src_lang}")})
+    with atomic_dir(out) as tmp:
+        stats = tokenize_corpus(raw, tmp, splits, (d.src_lang, d.tgt_lang), "train", params.tokenize.max_len)
+    write_json(report, stats)
+    click.echo(", ".join(f"{k}: {v}" for k, v in stats.items()), err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Stage train: launched by torchrun; resumes from its last checkpoint when params are unchanged."""
+
+from pathlib import Path
+
+import click
+
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+
+
+@click.command()
+@PARAMS
+@click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory")
+@click.option("--checkpoints", "ckpt_dir", required=True, type=click.Path(path_type=Path))
+@click.option("--reports", required=True, type=click.Path(path_type=Path), help="directory for train metrics and plots")
+@click.option("--track/--no-track", default=True, show_default=True, help="log to MLflow")
+@stage
+def main(params_path: Path, vocab: Path, ckpt_dir: Path, reports: Path, track: bool) -> None:
+    from transformer import tracking
+    from transformer.train import train
+
+    params = load_params(params_path)
+    if track:
+        tracking.check_reachable(tracking.tracking_uri())  # before any training work
+    summary = train(params, vocab, ckpt_dir, reports, tracking.Tracker if track else None)
+    click.echo(f"trained: {summary}", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Multi-head scaled dot-product attention (section 3.2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels).
+
+    Self-attention projects Q, K, V in one matmul; source attention projects K, V of the
+    memory once per sentence and, when decoding incrementally, keeps them in `cache`."""
+
+    def __init__(self, d_model: int, h: int, self_attention: bool):
+        super().__init__()
+        self.h, self.d_k = h, d_model // h
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+        else:
+            self.q = nn.Linear(d_model, d_model)
+            self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.keep_weights = False  # set to record attention maps (figures); slower path
+        self.weights: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+        causal: bool = False, cache: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if self.self_attention:
+            q, k, v = self._heads(self.qkv(x), 3)  # (B, h, T, d_k) each
+            if cache is not None:  # incremental decoding: append this step's keys and values
+                if "k" in cache:
+                    k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+                cache["k"], cache["v"] = k, v
+        else:
+            (q,) = self._heads(self.q(x), 1)
+            if cache is not None and "k" in cache:
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = self._heads(self.kv(memory), 2)
+                if cache is not None:
+                    cache["k"], cache["v"] = k, v
+        y = self._attend(q, k, v, mask, causal)  # (B, h, T, d_k)
+        return self.out(y.transpose(1, 2).flatten(2))  # (B, T, d_model)
+
+    def _heads(self, projected: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        B, T, _ = projected.shape
+        return projected.view(B, T, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
+        if not self.keep_weights:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)  # (B, h, T, S)
+        if causal:
+            T, S = scores.shape[-2:]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        self.weights = scores.softmax(-1)
+        return self.weights @ v

@@ -1,0 +1,101 @@
+"""Checkpoints as plain dicts: written atomically, read with weights_only, averaged."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer.io import DataError, atomic_path
+
+PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
+MODEL_KEYS = ("model", "model_config", "params", "vocab")
+RESUME_KEYS = MODEL_KEYS + ("optimizer", "step", "epoch", "step_in_epoch", "rng", "history")
+
+
+def save(path: Path, checkpoint: dict[str, Any]) -> None:
+    """Atomic: a failure (disk full, kill) leaves the previous file, never a torn one."""
+    with atomic_path(path) as tmp:
+        torch.save(checkpoint, tmp)
+
+
+def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, Any]:
+    """Loads without executing pickled code; any defect raises DataError naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: checkpoint not found")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line), "")
+        raise DataError(f"{path}: refused to load: it holds pickled objects other than weights, "
+                        f"which could run code; only load checkpoints written by this project. {why}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise DataError(f"{path}: truncated or corrupt checkpoint ({str(e).splitlines()[0]})") from None
+    if not isinstance(checkpoint, dict):
+        raise DataError(f"{path}: not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
+    missing = [k for k in required if k not in checkpoint]
+    if missing:
+        raise DataError(f"{path}: checkpoint lacks {', '.join(missing)}")
+    return checkpoint
+
+
+def listed(ckpt_dir: Path | str) -> list[Path]:
+    """Checkpoints in `ckpt_dir`, oldest first (by update step)."""
+    found = [p for p in Path(ckpt_dir).glob("ckpt_*.pt") if PATTERN.match(p.name)]
+    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+
+
+def path_for(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"ckpt_{step:08d}.pt"
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    for old in listed(ckpt_dir)[:-keep]:
+        old.unlink()
+
+
+def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Mean of model weights, accumulated in float32 and cast back; integer buffers from the last.
+
+    Every state must have the same keys and shapes; a mismatch names the checkpoint and key."""
+    if not states:
+        raise ValueError("no checkpoints to average")
+    names = names or [f"checkpoint {i}" for i in range(len(states))]
+    reference = states[0]
+    for name, state in zip(names[1:], states[1:]):
+        if state.keys() != reference.keys():
+            diff = sorted(state.keys() ^ reference.keys())
+            raise DataError(f"{name}: parameters differ from {names[0]}: {', '.join(diff[:5])}")
+        for key, value in state.items():
+            if value.shape != reference[key].shape:
+                raise DataError(f"{name}: '{key}' has shape {tuple(value.shape)}, {names[0]} has {tuple(reference[key].shape)}")
+    averaged = {}
+    for key, value in reference.items():
+        if value.is_floating_point():
+            total = torch.zeros_like(value, dtype=torch.float32)
+            for state in states:
+                total += state[key].float()
+            averaged[key] = (total / len(states)).to(value.dtype)
+        else:
+            averaged[key] = states[-1][key].clone()
+    return averaged
+
+
+def average_checkpoints(ckpt_dir: Path, last_k: int) -> dict[str, Any]:
+    """A model checkpoint whose weights average the last `last_k` checkpoints in `ckpt_dir`."""
+    paths = listed(ckpt_dir)
+    if len(paths) < last_k:
+        raise DataError(f"{ckpt_dir}: average.last_k = {last_k} but only {len(paths)} checkpoint(s) found")
+    chosen = paths[-last_k:]
+    loaded = [load(p) for p in chosen]
+    last = loaded[-1]
+    model = average_state_dicts([c["model"] for c in loaded], [str(p) for p in chosen])
+    return {key: last[key] for key in MODEL_KEYS} | {
+        "model": model, "averaged": [p.name for p in chosen], "step": last["step"],
+        "mlflow_run_id": last.get("mlflow_run_id"), "train_time_s": last.get("train_time_s"),
+    }

@@ -1,0 +1,218 @@
+"""params.yaml: one frozen dataclass per section, one strict loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A params file that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: str = "multi30k"
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    registry: str = "transformer/corpora.yaml"
+    valid: str = "val"  # the split validated on during training
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    max_len: int = 100  # training pairs with a longer side (in tokens) are dropped
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    kind: str = "bpe"  # word | bpe
+    size: int = 8000  # bpe: joint vocabulary size
+    min_freq: int = 2  # word: rarer tokens become <unk>
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    N: int = 3
+    d_model: int = 256
+    d_ff: int = 1024
+    h: int = 4
+    dropout: float = 0.1
+    norm: str = "pre"  # post (the paper) | pre (the Annotated Transformer)
+    tie_embeddings: bool = True  # needs a joint (bpe) vocabulary
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    nproc: int = 1  # processes per node (torchrun --nproc-per-node)
+    nnodes: int = 1
+    seed: int = 1
+    max_tokens: int = 3000  # per process and micro-batch, source or target side
+    accum: int = 1
+    epochs: int = 10
+    factor: float = 2.0
+    warmup: int = 1000
+    label_smoothing: float = 0.1
+    precision: str = "auto"  # auto | fp32 | bf16
+    compile: bool = False
+    save_every: int = 0  # steps between mid-epoch checkpoints; 0: at epoch ends only
+    keep: int = 5
+    max_steps: int = 0  # stop after this many updates; 0: run all epochs
+
+
+@dataclass(frozen=True)
+class AverageConfig:
+    last_k: int = 5
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam: int = 4
+    alpha: float = 0.6  # GNMT length penalty
+    max_len_extra: int = 50  # output may be at most source length + this
+    batch_tokens: int = 6000
+    testsets: tuple[str, ...] = ("val", "test2016")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    metrics: tuple[str, ...] = ("bleu", "bleu_tok_lc", "chrf", "ter")
+
+
+@dataclass(frozen=True)
+class Params:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    average: AverageConfig = field(default_factory=AverageConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            for name in SECTIONS
+        }
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
+_SECTION_TYPES = {f.name: f.default_factory for f in dataclasses.fields(Params)}
+
+CHOICES = {
+    "vocab.kind": ("word", "bpe"),
+    "model.norm": ("post", "pre"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "score.metrics": ("bleu", "bleu_tok_lc", "chrf", "ter"),
+}
+POSITIVE = {
+    "tokenize.max_len", "vocab.size", "vocab.min_freq", "model.N", "model.d_model", "model.d_ff",
+    "model.h", "train.nproc", "train.nnodes", "train.max_tokens", "train.accum", "train.epochs",
+    "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
+}
+NON_NEGATIVE = {"train.save_every", "train.max_steps", "decode.max_len_extra", "decode.alpha"}
+FRACTIONS = {"model.dropout", "train.label_smoothing"}  # in [0, 1)
+
+
+def load_params(path: Path | str = "params.yaml") -> Params:
+    """Reads and checks a params file; any problem raises one ConfigError naming the key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such params file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return params_from_dict(raw, source=str(path))
+
+
+def params_from_dict(raw: Any, source: str = "params") -> Params:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
+    for name in raw:
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section '{name}' (known: {', '.join(SECTIONS)})")
+    for name in SECTIONS:
+        if name not in raw:
+            raise ConfigError(f"{source}: missing section '{name}'")
+    sections = {name: _section(name, raw[name], source) for name in SECTIONS}
+    params = Params(**sections)
+    _check_values(params, source)
+    return params
+
+
+def _section(name: str, raw: Any, source: str) -> Any:
+    cls = _SECTION_TYPES[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section '{name}' must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        if key not in hints:
+            known = ", ".join(hints)
+            raise ConfigError(f"{source}: unknown key '{name}.{key}' (known keys of '{name}': {known})")
+        values[key] = _coerce(f"{name}.{key}", value, hints[key], source)
+    return cls(**values)
+
+
+def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{source}: '{key}' must be a list of strings, got {value!r}")
+        return tuple(value)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if not ok:
+        raise ConfigError(f"{source}: '{key}' must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return float(value) if hint is float else value
+
+
+def _check_values(p: Params, source: str) -> None:
+    flat = {f"{s}.{k}": v for s, d in p.to_dict().items() for k, v in d.items()}
+
+    def fail(key: str, why: str) -> None:
+        raise ConfigError(f"{source}: '{key}' = {flat[key]!r} {why}")
+
+    for key, allowed in CHOICES.items():
+        values = flat[key] if isinstance(flat[key], list) else [flat[key]]
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            fail(key, f"is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if flat[key] <= 0:
+            fail(key, "must be > 0")
+    for key in NON_NEGATIVE:
+        if flat[key] < 0:
+            fail(key, "must be >= 0")
+    for key in FRACTIONS:
+        if not 0 <= flat[key] < 1:
+            fail(key, "must be in [0, 1)")
+    if p.model.d_model % p.model.h:
+        fail("model.d_model", f"is not divisible by model.h = {p.model.h}")
+    if p.model.d_model % 2:
+        fail("model.d_model", "must be even (sinusoidal positional encoding)")
+    if p.model.tie_embeddings and p.vocab.kind != "bpe":
+        fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
+    if p.data.src_lang == p.data.tgt_lang:
+        fail("data.tgt_lang", "equals data.src_lang")
+    if not p.decode.testsets:
+        fail("decode.testsets", "must name at least one test set")
+    if p.average.last_k > p.train.keep:
+        fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
+
+
+def flatten(params: Params) -> dict[str, Any]:
+    """'section.key' -> value, for MLflow."""
+    return {f"{s}.{k}": v for s, d in params.to_dict().items() for k, v in d.items()}

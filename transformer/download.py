@@ -1,0 +1,173 @@
+"""Fetches a registered corpus (from its URL or a local mirror), verifies it, writes plain text."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import html
+import os
+import re
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import zlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from transformer.io import DataError, atomic_dir
+
+MIRROR_ENV = "TRANSFORMER_DATA_MIRROR"
+FORMATS = ("text", "tags", "sgm")
+_SEG = re.compile(r"<seg[^>]*>(.*)</seg>", re.IGNORECASE)
+
+
+def load_registry(path: Path | str, corpus: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The entry for `corpus`: split -> language -> sources, with local paths made absolute."""
+    path = Path(path)
+    try:
+        registry = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise DataError(f"{path}: corpus registry not found (params data.registry)") from None
+    except yaml.YAMLError as e:
+        raise DataError(f"{path}: not valid YAML: {e}") from None
+    if corpus not in registry:
+        raise DataError(f"{path}: no corpus '{corpus}' (registered: {', '.join(registry) or 'none'})")
+    entry = registry[corpus]
+    for split, langs in entry.items():
+        for lang, sources in langs.items():
+            where = f"{path}: {corpus}.{split}.{lang}"
+            if not isinstance(sources, list) or not sources:
+                raise DataError(f"{where}: expected a non-empty list of sources")
+            for s in sources:
+                _check_source(s, where, path.parent)
+    return entry
+
+
+def _check_source(source: dict[str, Any], where: str, base: Path) -> None:
+    if ("url" in source) == ("path" in source):
+        raise DataError(f"{where}: each source needs exactly one of 'url' or 'path'")
+    if "sha256" not in source:
+        raise DataError(f"{where}: source {source.get('url') or source.get('path')} has no 'sha256' key")
+    if source.get("format", "text") not in FORMATS:
+        raise DataError(f"{where}: format '{source['format']}' is not one of {', '.join(FORMATS)}")
+    if "path" in source:
+        source["path"] = str((base / source["path"]).resolve())
+
+
+def download_corpus(registry: Path | str, corpus: str, langs: tuple[str, str], out_dir: Path | str) -> dict[str, int]:
+    """Writes out_dir/<split>.<lang> for every split of `corpus`; returns line counts.
+
+    The directory appears only when every file is fetched and verified."""
+    entry = load_registry(registry, corpus)
+    mirror = os.environ.get(MIRROR_ENV)
+    counts = {}
+    with tempfile.TemporaryDirectory(prefix="transformer-download-") as cache, atomic_dir(out_dir) as tmp:
+        fetched: dict[str, Path] = {}  # one fetch per archive, however many members are read
+        for split, by_lang in entry.items():
+            for lang in langs:
+                if lang not in by_lang:
+                    raise DataError(f"{registry}: corpus '{corpus}' split '{split}' has no language '{lang}'")
+                lines = []
+                for source in by_lang[lang]:
+                    local = _fetch(source, corpus, mirror, Path(cache), fetched)
+                    lines.extend(_read_source(local, source))
+                (tmp / f"{split}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+                counts[f"{split}.{lang}"] = len(lines)
+    return counts
+
+
+def _fetch(source: dict[str, Any], corpus: str, mirror: str | None, cache: Path, fetched: dict[str, Path]) -> Path:
+    key = source.get("url") or source["path"]
+    if key in fetched:
+        return fetched[key]
+    if "path" in source:
+        local = Path(source["path"])
+        if not local.exists():
+            raise DataError(f"{local}: corpus file not found")
+    elif mirror:
+        local = Path(mirror) / corpus / _basename(source["url"])
+        if not local.exists():
+            raise DataError(f"{local}: not in the mirror ({MIRROR_ENV}={mirror}); expected <mirror>/{corpus}/{local.name}")
+    else:
+        local = cache / _basename(source["url"])
+        _http_get(source["url"], local)
+    _verify(local, source["sha256"])
+    fetched[key] = local
+    return local
+
+
+def _basename(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _http_get(url: str, dest: Path) -> None:
+    from tqdm import tqdm
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(dest, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, file=sys.stderr) as bar:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    except OSError as e:
+        raise DataError(f"{url}: download failed ({e}); offline? set {MIRROR_ENV} to a local mirror") from None
+
+
+def _verify(path: Path, expected: str | None) -> None:
+    actual = sha256_file(path)
+    if expected is None:
+        print(f"warning: {path.name}: sha256 not pinned in the registry; it is {actual}", file=sys.stderr)
+    elif actual != expected:
+        raise DataError(f"{path}: checksum mismatch: sha256 is {actual}, the registry expects {expected}")
+
+
+def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
+    member = source.get("member")
+    data = _tar_member(path, member) if member else path.read_bytes()
+    name = f"{path}:{member}" if member else str(path)
+    if (member or path.name).endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, OSError, zlib.error) as e:
+            raise DataError(f"{name}: truncated or corrupt gzip ({e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{name}:{line}: not valid UTF-8") from None
+    lines = text.splitlines()
+    fmt = source.get("format", "text")
+    if fmt == "tags":  # TED transcripts: metadata lines are XML-ish tags
+        lines = [line for line in lines if not line.lstrip().startswith("<")]
+    elif fmt == "sgm":
+        lines = [html.unescape(m.group(1)) for m in map(_SEG.search, lines) if m]
+    return [line.strip() for line in lines]
+
+
+def _tar_member(archive: Path, member: str) -> bytes:
+    """Reads one member, after refusing archives whose members could escape an output directory."""
+    try:
+        with tarfile.open(archive) as tar:
+            for info in tar.getmembers():
+                unsafe = info.name.startswith(("/", "\\")) or ".." in Path(info.name).parts
+                if unsafe or info.issym() or info.islnk() or info.isdev():
+                    kind = "a link" if info.issym() or info.islnk() else "a device" if info.isdev() else "a path"
+                    raise DataError(f"{archive}: unsafe archive member '{info.name}' ({kind} escaping the output directory)")
+            try:
+                f = tar.extractfile(member)
+            except KeyError:
+                f = None
+            if f is None:
+                raise DataError(f"{archive}: archive has no file '{member}'")
+            return f.read()
+    except (tarfile.TarError, EOFError, zlib.error) as e:
+        raise DataError(f"{archive}: truncated or corrupt archive ({e})") from None
+
+
+def sha256_file(path: Path | str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,78 @@
+"""Atomic outputs and strict text input: no stage leaves a half-written file behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (and line) to fix."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yields a temporary sibling of `path`; renames it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path | str) -> Iterator[Path]:
+    """Like atomic_path for a directory output: built aside, swapped in whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text(path: Path | str, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: Path | str, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_lines(path: Path | str, lines: list[str]) -> None:
+    write_text(path, "".join(line + "\n" for line in lines))
+
+
+def read_lines(path: Path | str) -> list[str]:
+    """One entry per line, newline stripped; non-UTF-8 bytes raise DataError with the line number."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]

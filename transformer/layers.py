@@ -1,0 +1,76 @@
+"""Encoder and decoder stacks (section 3.1, Figure 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from transformer.attention import MultiHeadAttention
+
+Cache = dict[str, torch.Tensor]
+
+
+class Residual(nn.Module):
+    """A sub-layer with dropout and a residual connection, normalized after (post, the paper)
+    or before (pre, the Annotated Transformer)."""
+
+    def __init__(self, d_model: int, dropout: float, norm: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre = norm == "pre"
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.pre:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w_1, self.w_2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(torch.relu(self.w_1(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True)
+        self.ff = FeedForward(d_model, d_ff)
+        self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, mask=src_mask))
+        return self.sublayers[1](x, self.ff)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True)
+        self.src_attn = MultiHeadAttention(d_model, h, self_attention=False)
+        self.ff = FeedForward(d_model, d_ff)
+        self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(3))
+
+    def forward(self, x, memory, src_mask, cache: tuple[Cache, Cache] | None = None) -> torch.Tensor:
+        # Right-padded targets need no padding mask here: a real query never sees a later
+        # (pad) key through the causal mask. When decoding one step at a time, nothing is later.
+        self_cache, src_cache = cache if cache is not None else (None, None)
+        causal = cache is None
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, causal=causal, cache=self_cache))
+        x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=src_cache))
+        return self.sublayers[2](x, self.ff)
+
+
+class Stack(nn.Module):
+    """N identical layers; pre-norm stacks end with a LayerNorm of their own."""
+
+    def __init__(self, layers: list[nn.Module], d_model: int, norm: str):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()

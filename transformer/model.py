@@ -1,0 +1,84 @@
+"""The encoder-decoder model (Figure 1) and its composition root, make_model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from transformer.embeddings import Embeddings, PositionalEncoding
+from transformer.layers import DecoderLayer, EncoderLayer, Stack
+
+
+@dataclass
+class DecodeState:
+    """What incremental decoding carries from one step to the next, per sentence (or beam)."""
+
+    memory: torch.Tensor  # (B, S, d_model)
+    src_mask: torch.Tensor  # (B, 1, 1, S)
+    caches: list[tuple[dict, dict]]  # per decoder layer: (self-attention, source-attention) K/V
+    step: int = 0
+
+    def select(self, index: torch.Tensor) -> DecodeState:
+        """Keeps (and reorders) the rows in `index`: beam reordering and dropping finished sentences."""
+        caches = [tuple({k: v.index_select(0, index) for k, v in c.items()} for c in pair) for pair in self.caches]
+        return DecodeState(self.memory.index_select(0, index), self.src_mask.index_select(0, index), caches, self.step)
+
+
+class Transformer(nn.Module):
+    def __init__(self, src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
+                 dropout: float, norm: str, tie_embeddings: bool, pad: int):
+        super().__init__()
+        self.pad = pad
+        self.encoder = Stack([EncoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
+        self.decoder = Stack([DecoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
+        self.src_embed = Embeddings(src_vocab, d_model)
+        self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
+        self.position = PositionalEncoding(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.generator = nn.Linear(d_model, tgt_vocab, bias=False)  # pre-softmax projection (section 3.4)
+        if tie_embeddings:
+            self.generator.weight = self.tgt_embed.lut.weight
+
+    def src_mask(self, src: torch.Tensor) -> torch.Tensor:
+        return (src != self.pad)[:, None, None, :]  # (B, 1, 1, S): True where a key may be attended
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(self.position(self.src_embed(src)))  # (B, S, d_model)
+        for layer in self.encoder.layers:
+            x = layer(x, src_mask)
+        return self.encoder.norm(x)
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               caches: list | None = None, start: int = 0) -> torch.Tensor:
+        x = self.dropout(self.position(self.tgt_embed(tgt), start))  # (B, T, d_model)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, memory, src_mask, None if caches is None else caches[i])
+        return self.decoder.norm(x)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Decoder output states (B, T, d_model); the loss projects only non-pad positions."""
+        src_mask = self.src_mask(src)
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+
+    def start(self, src: torch.Tensor) -> DecodeState:
+        src_mask = self.src_mask(src)
+        caches = [({}, {}) for _ in self.decoder.layers]
+        return DecodeState(self.encode(src, src_mask), src_mask, caches)
+
+    def step(self, state: DecodeState, last: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the next token (B, V), given the previous one (B,); updates `state`."""
+        x = self.decode(last[:, None], state.memory, state.src_mask, state.caches, start=state.step)
+        state.step += 1
+        return torch.log_softmax(self.generator(x[:, -1]).float(), dim=-1)
+
+
+def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
+               dropout: float = 0.1, norm: str = "post", tie_embeddings: bool = False, pad: int = 2) -> Transformer:
+    """Builds the model from hyperparameters, Xavier-uniform on every matrix."""
+    model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+    return model

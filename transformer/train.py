@@ -1,0 +1,327 @@
+"""Training (section 5): token batches, Adam with warmup, label smoothing, DDP, resumable."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from transformer import checkpoints
+from transformer.batching import ParallelCorpus, token_batches, epoch_steps
+from transformer.config import Params, flatten
+from transformer.download import sha256_file
+from transformer.io import write_json, write_text
+from transformer.loss import token_loss
+from transformer.model import make_model
+from transformer.schedule import rate
+from transformer.vocab import PAD, load_vocabs
+
+TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a resumable run must share
+LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Progress:
+    """Everything that must survive a restart, besides weights and optimizer."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    train_time_s: float = 0.0
+    steps: list[dict[str, float]] = field(default_factory=list)
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    mlflow_run_id: str | None = None
+
+
+def setup_distributed() -> Dist:
+    """Reads torchrun's environment; NCCL on GPUs, gloo on CPUs."""
+    world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank, world, device)
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX") or _cpu_has("avx512_bf16")
+
+
+def _cpu_has(flag: str) -> bool:
+    with contextlib.suppress(OSError):
+        return flag in Path("/proc/cpuinfo").read_text()
+    return False
+
+
+def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
+    return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
+
+
+def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tracker_factory=None) -> dict[str, Any]:
+    """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking."""
+    env = setup_distributed()
+    p = params.train
+    torch.manual_seed(p.seed)
+    src_vocab, tgt_vocab = load_vocabs(vocab_dir)
+    corpus = ParallelCorpus(vocab_dir / "train.pt")
+    valid = ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")
+    m = params.model
+    model = make_model(len(src_vocab), len(tgt_vocab), m.N, m.d_model, m.d_ff, m.h, m.dropout, m.norm, m.tie_embeddings, PAD)
+    model.to(env.device)
+    fused = env.device.type == "cuda"
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
+    identity = {"params": {s: params.to_dict()[s] for s in TRAIN_SECTIONS}, "data": data_fingerprint(vocab_dir, "train")}
+    progress = _resume(ckpt_dir, identity, model, optimizer, env)
+    tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
+    ddp = nn.parallel.DistributedDataParallel(model) if env.world > 1 else model
+    step_model = torch.compile(ddp) if p.compile else ddp
+    loop = _Loop(params, env, model, step_model, optimizer, corpus, valid, progress, tracker, ckpt_dir, reports_dir,
+                 {"model_config": _model_config(params, src_vocab, tgt_vocab),
+                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity})
+    try:
+        summary = loop.run()
+    except BaseException:
+        if tracker:
+            tracker.end("FAILED")
+        raise
+    if tracker:
+        tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+        tracker.end()
+    if env.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
+    m = params.model
+    return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "N": m.N, "d_model": m.d_model, "d_ff": m.d_ff,
+            "h": m.h, "dropout": m.dropout, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "pad": PAD}
+
+
+def _resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist) -> Progress:
+    """Continues from the newest checkpoint if it was made with the same params and data;
+    otherwise clears the directory so a stale run is never continued."""
+    found = checkpoints.listed(ckpt_dir)
+    if found:
+        ckpt = checkpoints.load(found[-1], checkpoints.RESUME_KEYS)
+        if ckpt.get("identity") == identity:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            if env.main:
+                print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
+            h = ckpt["history"]
+            return Progress(ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"], ckpt.get("train_time_s", 0.0),
+                            h["steps"], h["epochs"], ckpt.get("mlflow_run_id"))
+        if env.main:
+            print(f"{ckpt_dir}: checkpoints were made with other params or data; starting afresh", file=sys.stderr)
+    if env.world > 1:
+        dist.barrier()  # every rank has read the old checkpoints before rank 0 removes them
+    if env.main:
+        for old in found:
+            old.unlink()
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    return Progress()
+
+
+def _start_tracking(params: Params, progress: Progress, tracker_factory):
+    from transformer import tracking
+
+    if tracker_factory is None:
+        return None
+    d = params.data
+    tracker = tracker_factory(tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id,
+                              os.environ.get("DVC_EXP_NAME"))
+    progress.mlflow_run_id = tracker.run_id
+    tracker.log_params(flatten(params) | tracking.installed_versions())
+    tracker.set_tags({"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
+                      "corpus": d.corpus, "direction": f"{d.src_lang}-{d.tgt_lang}"})
+    return tracker
+
+
+class _Loop:
+    def __init__(self, params, env, model, step_model, optimizer, corpus, valid, progress, tracker, ckpt_dir, reports_dir, meta):
+        self.params, self.p, self.env = params, params.train, env
+        self.model, self.step_model, self.optimizer = model, step_model, optimizer
+        self.corpus, self.valid, self.progress, self.tracker = corpus, valid, progress, tracker
+        self.ckpt_dir, self.reports_dir, self.meta = ckpt_dir, reports_dir, meta
+        self.bf16 = use_bf16(self.p.precision, env.device)
+        self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
+
+    def run(self) -> dict[str, Any]:
+        pr, p = self.progress, self.p
+        while pr.epoch < p.epochs and not self._done():
+            batches = token_batches(self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch)
+            groups = epoch_steps(batches, self.env.world, p.accum, self.env.rank)
+            if not groups:
+                raise TrainingError(f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; lower them or train.max_tokens")
+            self._epoch(groups)
+            if self._done():
+                break
+            pr.epoch, pr.step_in_epoch = pr.epoch + 1, 0
+            self._end_of_epoch()
+        if pr.step_in_epoch:  # stopped by max_steps inside an epoch
+            self._end_of_epoch(partial=True)
+        return self._write_reports()
+
+    def _done(self) -> bool:
+        return 0 < self.p.max_steps <= self.progress.step
+
+    def _epoch(self, groups: list[list[list[int]]]) -> None:
+        from tqdm import tqdm
+
+        pr = self.progress
+        bar = tqdm(total=len(groups), initial=pr.step_in_epoch, desc=f"epoch {pr.epoch + 1}/{self.p.epochs}",
+                   disable=not self.env.main, file=sys.stderr, mininterval=2, dynamic_ncols=True)
+        self.tick, self.tick_tokens = time.perf_counter(), 0
+        for group in groups[pr.step_in_epoch:]:
+            self._update(group)
+            bar.update(1)
+            if len(self.pending) >= LOG_EVERY:
+                bar.set_postfix(self._sync())
+            if self.p.save_every and pr.step % self.p.save_every == 0:
+                self._save()
+            if self._done():
+                break
+        bar.close()
+
+    def _update(self, group: list[list[int]]) -> None:
+        pr, env = self.progress, self.env
+        mine = group[env.rank::env.world]
+        total = sum(int(self.corpus.tgt_lens[b].sum()) for b in group)  # global target tokens of this update
+        lr = rate(pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        loss_sum = torch.zeros((), device=env.device)
+        for i, index in enumerate(mine):
+            batch = self.corpus.batch(index).to(env.device)
+            last = i == len(mine) - 1
+            sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
+            with sync, torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                hidden = self.step_model(batch.src, batch.tgt_in)
+                loss, _ = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing)
+                (loss * (env.world / total)).backward()
+            loss_sum += loss.detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mine_tokens = sum(int(self.corpus.tgt_lens[b].sum()) for b in mine)
+        self.pending.append((pr.step + 1, pr.step_in_epoch, loss_sum, mine_tokens, lr))
+        self.tick_tokens += mine_tokens
+        pr.step += 1
+        pr.step_in_epoch += 1
+
+    def _sync(self) -> dict[str, str]:
+        """The one host sync of the loop: checks losses, records and reports them."""
+        if not self.pending:
+            return {}
+        losses = torch.stack([x[2] for x in self.pending]).tolist()
+        now = time.perf_counter()
+        elapsed = max(now - self.tick, 1e-9)
+        self.progress.train_time_s += elapsed
+        tokens_per_s = self.tick_tokens * self.env.world / elapsed
+        rows = []
+        for (step, batch, _, tokens, lr), loss in zip(self.pending, losses):
+            if not math.isfinite(loss):
+                raise TrainingError(f"loss is {loss} at step {step} (epoch {self.progress.epoch + 1}, update {batch + 1} of the epoch); "
+                                    f"stopped; the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup.")
+            rows.append({"step": step, "loss": loss / tokens, "lr": lr, "tokens_per_s": tokens_per_s})
+        self.pending, self.tick, self.tick_tokens = [], now, 0
+        if self.env.main:
+            self.progress.steps.extend(rows)
+            if self.tracker:
+                for row in rows:
+                    self.tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+        last = rows[-1]
+        return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, float]:
+        """Mean NLL per target token on the validation split, and its perplexity."""
+        self.model.eval()
+        nll, tokens = 0.0, 0
+        for index in token_batches(self.valid.src_lens, self.valid.tgt_lens, self.p.max_tokens, 0):
+            batch = self.valid.batch(index).to(self.env.device)
+            with torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                _, batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
+            nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
+        return nll / tokens, math.exp(min(nll / tokens, 50))
+
+    def _end_of_epoch(self, partial: bool = False) -> None:
+        self._sync()
+        pr = self.progress
+        if self.env.main:
+            val_loss, val_ppl = self.validate()
+            recent = [r["loss"] for r in pr.steps[-200:]]
+            row = {"epoch": pr.epoch + (1 if partial else 0), "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1),
+                   "val_loss": val_loss, "val_ppl": val_ppl}
+            pr.epochs.append(row)
+            print(f"epoch {row['epoch']}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {val_loss:.3f}, "
+                  f"val ppl {val_ppl:.2f}, {pr.train_time_s / 60:.1f} min", file=sys.stderr)
+            if self.tracker:
+                self.tracker.log_metrics({"val_loss": val_loss, "val_ppl": val_ppl}, pr.step)
+        self._save()
+
+    def _save(self) -> None:
+        self._sync()  # never checkpoint weights whose losses were not checked
+        if not self.env.main:
+            return
+        pr = self.progress
+        path = checkpoints.path_for(self.ckpt_dir, pr.step)
+        checkpoints.save(path, {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "params": self.params.to_dict(),
+            "step": pr.step, "epoch": pr.epoch, "step_in_epoch": pr.step_in_epoch, "train_time_s": pr.train_time_s,
+            "rng": {"torch": torch.get_rng_state()}, "history": {"steps": pr.steps, "epochs": pr.epochs},
+            "mlflow_run_id": pr.mlflow_run_id, **self.meta,
+        })
+        checkpoints.prune(self.ckpt_dir, self.p.keep)
+        self._write_reports()
+
+    def _write_reports(self) -> dict[str, Any]:
+        pr = self.progress
+        last = pr.epochs[-1] if pr.epochs else {}
+        recent = pr.steps[-50:]
+        summary = {"steps": pr.step, "epochs": last.get("epoch", 0), "val_loss": last.get("val_loss"),
+                   "val_ppl": last.get("val_ppl"), "train_time_s": round(pr.train_time_s, 1),
+                   "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
+        if self.env.main:
+            _write_tsv(self.reports_dir / "train_steps.tsv", pr.steps, ("step", "loss", "lr", "tokens_per_s"))
+            _write_tsv(self.reports_dir / "train_epochs.tsv", pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl"))
+            write_json(self.reports_dir / "train.json", summary)
+        return summary
+
+
+def _write_tsv(path: Path, rows: list[dict[str, float]], columns: tuple[str, ...]) -> None:
+    lines = ["\t".join(columns)] + ["\t".join(f"{row[c]:.6g}" for c in columns) for row in rows]
+    write_text(path, "\n".join(lines) + "\n")

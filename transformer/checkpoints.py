@@ -13,7 +13,7 @@ import torch
 from transformer.io import DataError, atomic_path
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
-MODEL_KEYS = ("model", "model_config", "params", "vocab")
+MODEL_KEYS = ("model", "model_config", "params", "vocab", "step")
 RESUME_KEYS = MODEL_KEYS + ("optimizer", "step", "epoch", "step_in_epoch", "rng", "history")
 
 
@@ -35,7 +35,7 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
         raise DataError(f"{path}: refused to load: it holds pickled objects other than weights, "
                         f"which could run code; only load checkpoints written by this project. {why}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise DataError(f"{path}: truncated or corrupt checkpoint ({str(e).splitlines()[0]})") from None
+        raise DataError(f"{path}: truncated or corrupt checkpoint ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     if not isinstance(checkpoint, dict):
         raise DataError(f"{path}: not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
     missing = [k for k in required if k not in checkpoint]

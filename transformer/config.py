@@ -191,10 +191,10 @@ def _check_values(p: Params, source: str) -> None:
         if bad:
             fail(key, f"is not one of {', '.join(allowed)}")
     for key in POSITIVE:
-        if flat[key] <= 0:
+        if not flat[key] > 0:  # also refuses NaN
             fail(key, "must be > 0")
     for key in NON_NEGATIVE:
-        if flat[key] < 0:
+        if not flat[key] >= 0:
             fail(key, "must be >= 0")
     for key in FRACTIONS:
         if not 0 <= flat[key] < 1:

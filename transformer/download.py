@@ -139,7 +139,9 @@ def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise DataError(f"{name}:{line}: not valid UTF-8") from None
-    lines = text.splitlines()
+    lines = text.split("\n")  # only newlines: U+2028 and friends may sit inside a sentence
+    if lines and lines[-1] == "":
+        lines.pop()
     fmt = source.get("format", "text")
     if fmt == "tags":  # TED transcripts: metadata lines are XML-ish tags
         lines = [line for line in lines if not line.lstrip().startswith("<")]

@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 class DataError(ValueError):
     """Bad input data; the message names the file (and line) to fix."""
 
@@ -28,6 +32,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        tmp.chmod(0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

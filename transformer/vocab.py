@@ -5,6 +5,7 @@ Both put the specials at the same ids: <s>=0, </s>=1, <blank>=2 (padding), <unk>
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -55,22 +56,20 @@ class BpeVocab:
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
 
     @classmethod
-    def train(cls, lines: list[str], size: int, seed_file: Path) -> BpeVocab:
+    def train(cls, lines: list[str], size: int) -> BpeVocab:
         import sentencepiece as spm
 
-        write_lines(seed_file, lines)
-        with atomic_path(seed_file.with_suffix(".model")) as tmp:
+        with tempfile.TemporaryDirectory(prefix="bpe-") as work:
+            seed_file = Path(work) / "train.txt"
+            write_lines(seed_file, lines)
             spm.SentencePieceTrainer.train(
-                input=str(seed_file), model_prefix=str(tmp.with_suffix("")), vocab_size=size, model_type="bpe",
+                input=str(seed_file), model_prefix=str(Path(work) / "bpe"), vocab_size=size, model_type="bpe",
                 character_coverage=1.0, normalization_rule_name="identity",  # keep text (and JOINER) reversible
                 bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece="<s>", eos_piece="</s>",
                 pad_piece="<blank>", unk_piece="<unk>", input_sentence_size=5_000_000, shuffle_input_sentence=True,
                 minloglevel=2, num_threads=max(1, torch.get_num_threads()), hard_vocab_limit=False,
             )
-            proto = tmp.with_suffix(".model").read_bytes()
-        for leftover in (seed_file, seed_file.with_suffix(".model"), seed_file.with_suffix(".vocab")):
-            leftover.unlink(missing_ok=True)
-        return cls(proto)
+            return cls((Path(work) / "bpe.model").read_bytes())
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -141,7 +140,7 @@ def build_vocabs(
     train_src, train_tgt = (read_lines(tok_dir / f"{train}.{lang}") for lang in langs)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bpe":
-        src = tgt = BpeVocab.train(train_src + train_tgt, size, out_dir / ".bpe-train.txt")
+        src = tgt = BpeVocab.train(train_src + train_tgt, size)
     else:
         src, tgt = WordVocab.build(train_src, min_freq), WordVocab.build(train_tgt, min_freq)
     save_vocabs(out_dir, src, tgt)

@@ -1,0 +1,121 @@
+"""Shared fixtures: a learnable toy corpus, tiny params, a vocabulary directory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SRC_WORDS = [f"{c}{v}n" for c in "bdfgklmprst" for v in "aeiou"][:40]
+LEXICON = dict(zip(SRC_WORDS, [f"{v}{c}" for c in "bdfgklmprst" for v in "aeiou"][:40]))
+
+
+def toy_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """A word-for-word translation through a fixed dictionary: learnable in seconds."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        words = rng.choices(SRC_WORDS, k=rng.randint(3, 7))
+        pairs.append((" ".join(words) + ".", " ".join(LEXICON[w] for w in words) + "."))
+    return pairs
+
+
+def write_toy_corpus(directory: Path, splits: dict[str, int] | None = None, langs=("de", "en")) -> Path:
+    """Raw files plus a registry (local paths, sha256 pinned); returns the registry path."""
+    splits = splits or {"train": 1500, "val": 60, "test2016": 60}
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = {}
+    for seed, (split, n) in enumerate(splits.items()):
+        pairs = toy_pairs(n, seed)
+        entry[split] = {}
+        for side, lang in enumerate(langs):
+            path = directory / f"{split}.{lang}"
+            path.write_text("".join(p[side] + "\n" for p in pairs), encoding="utf-8")
+            entry[split][lang] = [{"path": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}]
+    registry = directory / "corpora.yaml"
+    registry.write_text(yaml.safe_dump({"toy": entry}), encoding="utf-8")
+    return registry
+
+
+def tiny_params(**overrides) -> dict:
+    """The default params with a tiny model and short training; overrides as {'train.epochs': 2}."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["data"].update(corpus="toy", registry="toy/corpora.yaml")
+    params["vocab"].update(kind="bpe", size=120)
+    params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
+    params["train"].update(max_tokens=400, epochs=12, factor=1.0, warmup=100, keep=3, precision="fp32")
+    params["average"].update(last_k=2)
+    params["decode"].update(beam=2)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        params[section][name] = value
+    return params
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | (env or {})
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+@pytest.fixture
+def vocab_dir(tmp_path: Path) -> Path:
+    """A toy corpus tokenized and turned into a BPE vocabulary with token-id arrays."""
+    from transformer.tokenize import tokenize_corpus
+    from transformer.vocab import build_vocabs
+
+    registry = write_toy_corpus(tmp_path / "toy", {"train": 600, "val": 40})
+    raw = registry.parent
+    tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
+    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    return tmp_path / "vocab"
+
+
+def project_copy(tmp_path: Path, params: dict) -> Path:
+    """A fresh git + DVC repository holding the project and the toy corpus."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("dvc.yaml", "stages", "transformer"):
+        src = ROOT / name
+        (shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
+         else shutil.copy(src, repo / name))
+    write_toy_corpus(repo / "toy")
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (repo / ".gitignore").write_text("mlflow.db\nmlartifacts/\n")
+    git = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
+    run(["git", "init", "-q"], repo)
+    run(["git", "config", "user.name", "Test"], repo)
+    run(["git", "config", "user.email", "test@example.com"], repo)
+    run([str(BIN / "dvc"), "init", "-q"], repo)
+    run([str(BIN / "dvc"), "config", "core.analytics", "false"], repo)
+    run(["git", "add", "-A"], repo)
+    run(git + ["commit", "-qm", "toy project"], repo)
+    return repo
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models spend their time waking threads: one is faster, and the same on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

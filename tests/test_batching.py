@@ -1,0 +1,109 @@
+"""Token-count batching, the sharding of updates across processes, and batch tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer.batching import ParallelCorpus, epoch_steps, token_batches
+from transformer.io import DataError
+from transformer.vocab import BOS, EOS, PAD
+
+
+def _lengths(n: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 30, (n,), generator=g), torch.randint(2, 30, (n,), generator=g)
+
+
+def test_batches_cover_every_sentence_exactly_once():
+    src, tgt = _lengths()
+    batches = token_batches(src, tgt, max_tokens=120, seed=1)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(src)))
+
+
+def test_padded_batch_size_stays_within_max_tokens():
+    src, tgt = _lengths()
+    for max_tokens in (30, 64, 120, 500):
+        for batch in token_batches(src, tgt, max_tokens, seed=1):
+            longest = max(max(int(src[i]), int(tgt[i])) for i in batch)
+            assert longest * len(batch) <= max_tokens, (max_tokens, batch)
+
+
+def test_batches_group_similar_lengths():
+    src, tgt = _lengths(400)
+    batches = token_batches(src, tgt, max_tokens=200, seed=1)
+    spread = [int(tgt[b].max() - tgt[b].min()) for b in batches]
+    assert sum(spread) / len(spread) <= 2  # sorted by target length: near-identical within a batch
+
+
+def test_same_seed_gives_same_batches_and_other_seed_another_order():
+    src, tgt = _lengths()
+    a = token_batches(src, tgt, 120, seed=1)
+    assert a == token_batches(src, tgt, 120, seed=1)
+    b = token_batches(src, tgt, 120, seed=2)
+    assert a != b
+    assert sorted(i for batch in b for i in batch) == list(range(len(src)))
+
+
+def test_sentence_longer_than_max_tokens_is_named():
+    src, tgt = torch.tensor([3, 50]), torch.tensor([4, 5])
+    with pytest.raises(DataError, match="sentence pair 1 has 50 tokens"):
+        token_batches(src, tgt, max_tokens=40, seed=1)
+
+
+@pytest.mark.parametrize("world, accum", [(1, 1), (2, 1), (2, 3), (4, 2), (3, 1)])
+def test_rank_shards_partition_the_single_process_updates(world, accum):
+    batches = [[i] for i in range(23)]  # distinct, identifiable batches; 23 leaves an incomplete group
+    single = epoch_steps(batches, 1, world * accum, 0)
+    shards = [epoch_steps(batches, world, accum, rank) for rank in range(world)]
+    assert all(len(s) == len(single) == 23 // (world * accum) for s in shards)
+    for step, reference in enumerate(single):
+        per_rank = [shards[rank][step] for rank in range(world)]
+        assert all(len(micro) == accum for micro in per_rank)
+        union = [b[0] for micro in per_rank for b in micro]
+        assert len(union) == len(set(union))  # disjoint across ranks
+        assert sorted(union) == sorted(b[0] for b in reference)
+
+
+def test_incomplete_last_group_is_dropped():
+    batches = [[i] for i in range(7)]
+    steps = epoch_steps(batches, 2, 2, 0)
+    assert steps == [[[0], [2]]]  # the group of batches 4..6 is short of world * accum = 4
+    assert epoch_steps(batches, 2, 2, 1) == [[[1], [3]]]
+
+
+def _corpus(tmp_path, src: list[list[int]], tgt: list[list[int]]) -> ParallelCorpus:
+    def flat(lines):
+        ids = torch.tensor([i for line in lines for i in line], dtype=torch.int32)
+        offsets = torch.cumsum(torch.tensor([0] + [len(line) for line in lines]), 0)
+        return ids, offsets
+
+    (s, so), (t, to) = flat(src), flat(tgt)
+    torch.save({"src": s, "src_offsets": so, "tgt": t, "tgt_offsets": to}, tmp_path / "train.pt")
+    return ParallelCorpus(tmp_path / "train.pt")
+
+
+def test_batch_adds_eos_to_source_and_bos_eos_to_target_with_padding(tmp_path):
+    corpus = _corpus(tmp_path, [[5, 6, 7], [8], [9, 10]], [[11, 12], [13, 14, 15], [16]])
+    assert len(corpus) == 3
+    assert corpus.src_lens.tolist() == [4, 2, 3] and corpus.tgt_lens.tolist() == [3, 4, 2]
+    batch = corpus.batch([0, 1])
+    assert batch.src.tolist() == [[5, 6, 7, EOS], [8, EOS, PAD, PAD]]
+    assert batch.tgt_in.tolist() == [[BOS, 11, 12, PAD], [BOS, 13, 14, 15]]
+    assert batch.tgt_out.tolist() == [[11, 12, EOS, PAD], [13, 14, 15, EOS]]
+    assert batch.ntokens == 3 + 4
+    assert batch.src.dtype == batch.tgt_in.dtype == batch.tgt_out.dtype == torch.long
+    assert PAD == 2
+
+
+def test_batch_keeps_the_requested_order(tmp_path):
+    corpus = _corpus(tmp_path, [[5], [6], [7]], [[8], [9], [10]])
+    batch = corpus.batch([2, 0])
+    assert batch.src[:, 0].tolist() == [7, 5]
+    assert batch.tgt_out[:, 0].tolist() == [10, 8]
+
+
+def test_missing_corpus_file_names_the_stage(tmp_path):
+    with pytest.raises(DataError, match="build_vocab"):
+        ParallelCorpus(tmp_path / "absent.pt")

@@ -1,0 +1,197 @@
+"""params.yaml loading: every shipped file loads; every defect is a ConfigError naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from transformer.config import ConfigError, Params, load_params, params_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _valid() -> dict:
+    """A complete, valid params mapping (the defaults), to break one key at a time."""
+    return Params().to_dict()
+
+
+def _with(section: str, key: str, value) -> dict:
+    raw = _valid()
+    raw[section][key] = value
+    return raw
+
+
+def test_every_shipped_params_file_loads():
+    files = [REPO / "params.yaml", *sorted((REPO / "params").glob("*.yaml"))]
+    for path in files:
+        params = load_params(path)
+        assert isinstance(params, Params), path
+        assert params.data.src_lang != params.data.tgt_lang, path
+
+
+def test_repo_params_yaml_values_reach_the_dataclasses():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    params = load_params(REPO / "params.yaml")
+    assert params.model.d_model == raw["model"]["d_model"]
+    assert params.decode.testsets == tuple(raw["decode"]["testsets"])
+    assert params.to_dict()["score"]["metrics"] == raw["score"]["metrics"]
+
+
+def test_defaults_round_trip_through_to_dict():
+    assert params_from_dict(_valid()) == Params()
+
+
+def test_int_given_for_a_float_key_is_accepted_as_float():
+    params = params_from_dict(_with("train", "factor", 2))
+    assert params.train.factor == 2.0 and isinstance(params.train.factor, float)
+
+
+def test_empty_section_takes_the_defaults():
+    raw = _valid()
+    raw["average"] = None
+    assert params_from_dict(raw).average == Params().average
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        (_with("model", "heads", 4), "model.heads"),
+        (_with("train", "lr", 0.1), "train.lr"),
+    ],
+    ids=["model.heads", "train.lr"],
+)
+def test_unknown_key_is_rejected_by_name(raw, key):
+    with pytest.raises(ConfigError, match="unknown key") as e:
+        params_from_dict(raw)
+    assert key in str(e.value)
+
+
+def test_unknown_section_is_rejected_by_name():
+    raw = _valid()
+    raw["optimizer"] = {"lr": 0.1}
+    with pytest.raises(ConfigError, match="unknown section") as e:
+        params_from_dict(raw)
+    assert "optimizer" in str(e.value)
+
+
+def test_missing_section_is_rejected_by_name():
+    raw = _valid()
+    del raw["decode"]
+    with pytest.raises(ConfigError, match="missing section") as e:
+        params_from_dict(raw)
+    assert "decode" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("model", "N", "three"),
+        ("model", "N", True),  # bool is an int subclass: must still be refused
+        ("model", "N", 3.0),
+        ("model", "tie_embeddings", "yes"),
+        ("model", "dropout", "0.1"),
+        ("train", "compile", 1),
+        ("data", "src_lang", 7),
+        ("decode", "testsets", "val"),
+        ("decode", "testsets", ["val", 2]),
+        ("train", "seed", None),
+    ],
+)
+def test_wrong_type_is_rejected_by_key(section, key, value):
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(_with(section, key, value))
+    assert f"{section}.{key}" in str(e.value)
+
+
+def test_d_model_not_divisible_by_h_is_rejected():
+    raw = _with("model", "d_model", 250)
+    raw["model"]["h"] = 4
+    with pytest.raises(ConfigError, match="divisible") as e:
+        params_from_dict(raw)
+    assert "model.d_model" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("model", "dropout", -0.1),
+        ("model", "dropout", 1.0),
+        ("train", "label_smoothing", -0.5),
+        ("model", "N", 0),
+        ("train", "warmup", -1),
+        ("decode", "alpha", -0.6),
+        ("model", "norm", "sandwich"),
+        ("vocab", "kind", "char"),
+        ("score", "metrics", ["bleu", "meteor"]),
+    ],
+)
+def test_out_of_range_value_is_rejected_by_key(section, key, value):
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(_with(section, key, value))
+    assert f"{section}.{key}" in str(e.value)
+
+
+@pytest.mark.parametrize("section, key", [("train", "factor"), ("decode", "alpha"), ("model", "dropout")])
+def test_nan_is_rejected_by_key(section, key, tmp_path):
+    raw = _valid()
+    raw[section][key] = ".nan"  # YAML's not-a-number, written as params.yaml would hold it
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw).replace("'.nan'", ".nan"), encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_params(path)
+    assert f"{section}.{key}" in str(e.value)
+
+
+def test_tied_embeddings_with_word_vocabulary_is_rejected():
+    raw = _with("vocab", "kind", "word")
+    raw["model"]["tie_embeddings"] = True
+    with pytest.raises(ConfigError, match="joint vocabulary") as e:
+        params_from_dict(raw)
+    assert "model.tie_embeddings" in str(e.value)
+    raw["model"]["tie_embeddings"] = False
+    assert params_from_dict(raw).vocab.kind == "word"
+
+
+def test_averaging_more_checkpoints_than_kept_is_rejected():
+    raw = _with("average", "last_k", 6)
+    raw["train"]["keep"] = 5
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(raw)
+    assert "average.last_k" in str(e.value)
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("model:\n  N: [3\n  d_model: 256\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML") as e:
+        load_params(path)
+    assert str(path) in str(e.value)
+
+
+def test_missing_params_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such params file"):
+        load_params(tmp_path / "absent.yaml")
+
+
+def test_error_from_a_file_names_file_and_key(tmp_path):
+    raw = _with("model", "N", "three")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_params(path)
+    assert str(path) in str(e.value) and "model.N" in str(e.value)
+
+
+def test_top_level_list_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- data\n- model\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_params(path)
+
+
+def test_params_are_frozen():
+    params = Params()
+    with pytest.raises(AttributeError):
+        params.model.N = 6

@@ -1,0 +1,89 @@
+"""The whole DAG under `dvc repro`, on a toy corpus, in a fresh git repository."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+
+import pytest
+import yaml
+
+from conftest import BIN, project_copy, run, tiny_params, write_toy_corpus
+
+DVC = str(BIN / "dvc")
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
+    repo = project_copy(tmp_path, tiny_params())
+    first = run([DVC, "repro"], repo, timeout=600)
+    for stage in ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val",
+                  "decode@test2016", "score"):
+        assert f"Running stage '{stage}'" in first.stdout
+    scores = json.loads((repo / "reports/scores.json").read_text())
+    assert set(scores) == {"val", "test2016"}
+    assert scores["test2016"]["bleu"] > 80, scores  # the toy translation is learnable
+    assert (repo / "data/translations/test2016.txt").read_text().count("\n") == 60
+    assert "nrefs:1|case:mixed|eff:no|tok:13a" in (repo / "reports/scores.md").read_text()
+
+    again = run([DVC, "repro"], repo)
+    assert "Running stage" not in again.stdout
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["decode"]["beam"] = 1
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    downstream = run([DVC, "repro"], repo)
+    ran = {line.split("'")[1] for line in downstream.stdout.splitlines() if line.startswith("Running stage")}
+    assert ran == {"decode@val", "decode@test2016", "score"}
+
+    shown = run([DVC, "metrics", "show"], repo).stdout
+    assert "reports/scores.json" in shown and "test2016.bleu" in shown
+
+
+@pytest.mark.slow
+def test_tokenize_param_change_reruns_only_downstream_stages(tmp_path):
+    params = tiny_params(**{"train.epochs": 1, "average.last_k": 1})
+    repo = project_copy(tmp_path, params)
+    run([DVC, "repro", "build_vocab"], repo)
+    params["tokenize"]["max_len"] = 6
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    status = run([DVC, "status"], repo).stdout
+    assert "tokenize" in status and "download" not in status
+    rerun = run([DVC, "repro", "build_vocab"], repo).stdout
+    assert "Running stage 'tokenize'" in rerun and "Running stage 'download'" not in rerun
+    dropped = json.loads((repo / "reports/tokenize.json").read_text())["train.dropped_long"]
+    assert dropped > 0
+
+
+def test_download_stage_reads_the_mirror_and_verifies_checksums(tmp_path):
+    from conftest import ROOT
+
+    corpus = write_toy_corpus(tmp_path / "plain").parent
+    mirror = tmp_path / "mirror" / "toy"
+    mirror.mkdir(parents=True)
+    entry = {}
+    for path in sorted(p for p in corpus.iterdir() if p.suffix in (".de", ".en")):
+        packed = mirror / f"{path.name}.gz"
+        packed.write_bytes(gzip.compress(path.read_bytes()))
+        split, lang = path.name.split(".")
+        digest = hashlib.sha256(packed.read_bytes()).hexdigest()
+        entry.setdefault(split, {})[lang] = [{"url": f"https://example.org/toy/{packed.name}", "sha256": digest}]
+    registry = tmp_path / "corpora.yaml"
+    registry.write_text(yaml.safe_dump({"toy": entry}))
+    params = tiny_params()
+    params["data"]["registry"] = str(registry)
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params))
+    mirror_env = {"TRANSFORMER_DATA_MIRROR": str(tmp_path / "mirror")}
+    cmd = [str(BIN / "python"), "stages/download.py", "--params", str(params_path), "--out", str(tmp_path / "raw")]
+    run(cmd, ROOT, env=mirror_env)
+    assert (tmp_path / "raw/train.de").read_bytes() == (corpus / "train.de").read_bytes()
+
+    shutil.rmtree(tmp_path / "raw")
+    (mirror / "val.en.gz").write_bytes(gzip.compress(b"tampered\n"))
+    failed = run(cmd, ROOT, check=False, env=mirror_env)
+    assert failed.returncode == 1
+    assert "val.en.gz: checksum mismatch" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "raw").exists()

@@ -1,0 +1,94 @@
+"""sacreBLEU scoring: known values, signatures, line-count checks, the Markdown report."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from transformer.io import DataError
+from transformer.score import markdown_report, score_files, score_lines
+
+METRICS = ("bleu", "bleu_tok_lc", "chrf", "ter")
+
+
+def test_identical_translations_score_perfectly():
+    lines = ["A man rides a bike.", "Two dogs play in the snow."]
+    scores = score_lines(lines, lines, "en", METRICS)
+    assert scores["bleu"] == scores["bleu_tok_lc"] == scores["chrf"] == 100.0
+    assert scores["ter"] == 0.0
+
+
+def test_bleu_matches_a_hand_computed_value():
+    # hyp 6 tokens, ref 7: precisions 6/6, 4/5, 3/4, 2/3; brevity penalty exp(1 - 7/6)
+    expected = 100 * math.exp(1 - 7 / 6) * (1 * 4 / 5 * 3 / 4 * 2 / 3) ** 0.25
+    scores = score_lines(["the cat sat on the mat"], ["the cat sat on the red mat"], "en", ("bleu",))
+    assert scores["bleu"] == pytest.approx(expected, abs=0.01)
+    assert 67.0 < scores["bleu"] < 67.6
+
+
+def test_tokenized_lowercased_bleu_forgives_case_and_tokenization():
+    scores = score_lines(["The Cat, sat down."], ["the cat , sat down ."], "en", ("bleu", "bleu_tok_lc"))
+    assert scores["bleu_tok_lc"] == 100.0
+    assert scores["bleu"] < 100.0
+    assert scores["bleu_tok_lc"] >= scores["bleu"]
+
+
+def test_every_metric_comes_with_its_signature():
+    scores = score_lines(["a b c d e"], ["a b c d f"], "en", METRICS)
+    assert set(scores) == set(METRICS) | {f"{m}_signature" for m in METRICS}
+    assert "tok:13a" in scores["bleu_signature"] and "nrefs:1" in scores["bleu_signature"]
+    assert scores["bleu_tok_lc_signature"].endswith("|lc+moses") and "tok:none" in scores["bleu_tok_lc_signature"]
+    assert "nc:6" in scores["chrf_signature"]  # chrF2: character 6-grams
+    assert "tok:tercom" in scores["ter_signature"]
+
+
+def test_only_the_requested_metrics_are_computed():
+    assert set(score_lines(["a b"], ["a b"], "en", ("chrf",))) == {"chrf", "chrf_signature"}
+
+
+def test_score_files_refuses_different_line_counts(tmp_path):
+    (tmp_path / "hyp.txt").write_text("a\nb\nc\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("a\nb\n", encoding="utf-8")
+    with pytest.raises(DataError) as e:
+        score_files(tmp_path / "hyp.txt", tmp_path / "ref.en", "en", ("bleu",))
+    assert "has 3 lines" in str(e.value) and "has 2" in str(e.value)
+
+
+def test_score_files_scores_the_files(tmp_path):
+    (tmp_path / "hyp.txt").write_text("the cat sat on the mat\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("the cat sat on the mat\n", encoding="utf-8")
+    assert score_files(tmp_path / "hyp.txt", tmp_path / "ref.en", "en", ("bleu",))["bleu"] == 100.0
+
+
+def _scores() -> dict:
+    return {"val": score_lines(["a b c d"], ["a b c d"], "en", ("bleu", "chrf")),
+            "test2016": score_lines(["a b c d e"], ["a b c d"], "en", ("bleu", "chrf"))}
+
+
+def _table_rows(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.startswith("|")]
+
+
+def test_markdown_report_has_a_row_per_test_set_and_metric():
+    scores = _scores()
+    report = markdown_report(scores, {"model": "model.pt", "beam": 4})
+    rows = _table_rows(report)
+    assert len(rows) == 2 + 4  # header, rule, 2 test sets x 2 metrics
+    for testset, metric in (("val", "bleu"), ("val", "chrf"), ("test2016", "bleu"), ("test2016", "chrf")):
+        row = next(r for r in rows if re.search(rf"\|\s*{testset}\s*\|\s*{metric}\s*\|", r))
+        assert float(row.split("|")[3]) == scores[testset][metric]
+    assert "- model: model.pt" in report and "- beam: 4" in report
+
+
+def test_markdown_report_rows_have_as_many_cells_as_the_header():
+    # sacreBLEU signatures contain '|': unescaped, they split the signature over extra
+    # cells, which Markdown renderers drop.
+    rows = _table_rows(markdown_report(_scores(), {}))
+    cells = [len(re.split(r"(?<!\\)\|", row)) for row in rows]
+    assert cells == [cells[0]] * len(rows), rows
+
+
+def test_markdown_report_without_scores_says_so():
+    assert "(no scores)" in markdown_report({}, {"model": "m.pt"})

@@ -1,0 +1,134 @@
+"""Reversible tokenization, and tokenize_corpus's alignment checks and train-only filtering."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+from pathlib import Path
+
+import pytest
+
+from transformer.io import DataError, read_lines
+from transformer.tokenize import JOINER, Tokenizer, detokenize, tokenize_corpus
+
+SHARED = Path(__file__).resolve().parents[2] / "shared/corpora/multi30k"
+
+EN_SUBJECTS = ["A man", "Two girls", "The dog's owner", "A well-known artist", "Three 10-year-old boys",
+               "An old woman (in a red coat)", "Someone"]
+EN_PREDICATES = ["is sitting on a bench.", "can't find the keys!", "says \"hello\" to a friend.",
+                 "doesn't like the rain, does she?", "paid $3.50 for 2 coffees.", "runs 1,500 meters in 4:05 min.",
+                 "waits at gate B-12; it's late...", "reads 'The Times' -- again?"]
+DE_SUBJECTS = ["Ein Mann", "Zwei Mädchen", "Der Hund des Nachbarn", "Eine 30-jährige Frau", "Ärzte und Ärztinnen",
+               "Ein Kind (mit Mütze)", "Jemand"]
+DE_PREDICATES = ["sitzt auf einer Bank.", "sagt: „Guten Morgen!“", "kauft 3 Äpfel für 2,50 €.",
+                 "läuft am 3. Oktober 10 km.", "spielt Fußball, oder?", "wartet – wie immer – am Bahnhof...",
+                 "liest „Die Zeit“ um 8:15 Uhr.", "geht's gut?"]
+
+
+def _sentences(subjects: list[str], predicates: list[str]) -> list[str]:
+    return [f"{s} {p}" for s, p in itertools.product(subjects, predicates)]
+
+
+def _round_trip_rate(lang: str, lines: list[str]) -> tuple[float, list[str]]:
+    tokenized = list(Tokenizer(lang).pipe(lines))
+    assert len(tokenized) == len(lines)
+    failures = [line for line, tok in zip(lines, tokenized) if detokenize(tok) != line]
+    return 1 - len(failures) / len(lines), failures
+
+
+@pytest.mark.parametrize("lang, lines", [("en", _sentences(EN_SUBJECTS, EN_PREDICATES)),
+                                         ("de", _sentences(DE_SUBJECTS, DE_PREDICATES))])
+def test_detokenize_inverts_tokenize(lang, lines):
+    rate, failures = _round_trip_rate(lang, lines)
+    assert rate >= 0.995, failures[:5]
+
+
+def test_tokenizer_splits_punctuation_and_marks_glued_tokens():
+    tokenized = Tokenizer("en")('He said "no," then left.')
+    assert tokenized.split()[:3] == ["He", "said", '"']
+    assert f"{JOINER}." in tokenized.split()
+    assert tokenized.count(JOINER) >= 3
+    assert detokenize(tokenized) == 'He said "no," then left.'
+
+
+def test_untokenizable_language_is_a_data_error():
+    with pytest.raises(DataError, match="xx-nonexistent"):
+        Tokenizer("xx-nonexistent")
+
+
+def test_multi30k_validation_set_round_trips():
+    if not (SHARED / "val.de.gz").exists():
+        pytest.skip(f"{SHARED} not present (no local Multi30k mirror)")
+    for lang in ("de", "en"):
+        with gzip.open(SHARED / f"val.{lang}.gz", "rt", encoding="utf-8") as f:
+            lines = [line.strip() for line in f.read().split("\n") if line.strip()]
+        assert len(lines) == 1014
+        rate, failures = _round_trip_rate(lang, lines)
+        assert rate >= 0.995, (lang, failures[:5])
+
+
+def _write(raw: Path, split: str, de: list[str], en: list[str]) -> None:
+    raw.mkdir(exist_ok=True)
+    (raw / f"{split}.de").write_text("".join(line + "\n" for line in de), encoding="utf-8")
+    (raw / f"{split}.en").write_text("".join(line + "\n" for line in en), encoding="utf-8")
+
+
+def test_misaligned_split_reports_both_line_counts(tmp_path):
+    _write(tmp_path / "raw", "train", ["Ein Hund.", "Eine Katze.", "Ein Pferd."], ["A dog.", "A cat."])
+    with pytest.raises(DataError, match="misaligned") as e:
+        tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+    assert "has 3 lines" in str(e.value) and "has 2" in str(e.value)
+
+
+def test_empty_and_long_pairs_leave_train_only(tmp_path):
+    long_de = " ".join(["Hund"] * 12) + "."
+    de = ["Ein Hund läuft.", "", "Eine Katze schläft.", long_de, "Ein Mann."]
+    en = ["A dog runs.", "Nothing here.", "   ", "A dog.", "A man."]
+    _write(tmp_path / "raw", "train", de, en)
+    _write(tmp_path / "raw", "val", de, en)
+    stats = tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train", "val"], ("de", "en"), "train", max_len=10)
+    assert stats == {"train.dropped_empty": 2, "train.dropped_long": 1, "train.pairs": 2, "val.pairs": 5}
+    train_de, train_en = read_lines(tmp_path / "tok/train.de"), read_lines(tmp_path / "tok/train.en")
+    assert [detokenize(line) for line in train_de] == ["Ein Hund läuft.", "Ein Mann."]
+    assert [detokenize(line) for line in train_en] == ["A dog runs.", "A man."]
+    val_de, val_en = read_lines(tmp_path / "tok/val.de"), read_lines(tmp_path / "tok/val.en")
+    assert len(val_de) == len(val_en) == 5
+    assert val_de[1] == "" and val_en[2] == ""
+    assert detokenize(val_de[3]) == long_de
+
+
+def test_pair_exactly_max_len_tokens_is_kept(tmp_path):
+    _write(tmp_path / "raw", "train", ["a b c d"], ["e f g h"])
+    stats = tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", max_len=4)
+    assert stats["train.pairs"] == 1 and stats["train.dropped_long"] == 0
+
+
+def test_empty_file_is_a_data_error(tmp_path):
+    _write(tmp_path / "raw", "val", [], [])
+    with pytest.raises(DataError, match="empty file") as e:
+        tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["val"], ("de", "en"), "train", 100)
+    assert "val.de" in str(e.value)
+
+
+def test_train_split_with_nothing_left_after_filtering_is_a_data_error(tmp_path):
+    _write(tmp_path / "raw", "train", ["", "x"], ["y", ""])
+    with pytest.raises(DataError, match="no training pair left"):
+        tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+
+
+def test_non_utf8_input_names_file_and_line(tmp_path):
+    raw = tmp_path / "raw"
+    _write(raw, "train", ["Ein Hund."], ["A dog."])
+    (raw / "train.de").write_bytes(b"Ein Hund.\nEine Katze.\nZwei \xe4pfel.\n")  # latin-1 \xe4
+    (raw / "train.en").write_text("A dog.\nA cat.\nTwo apples.\n", encoding="utf-8")
+    with pytest.raises(DataError, match="not valid UTF-8") as e:
+        tokenize_corpus(raw, tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+    assert f"{raw / 'train.de'}:3" in str(e.value)
+
+
+def test_read_lines_keeps_empty_lines_and_strips_carriage_returns(tmp_path):
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"a\r\n\r\nb\n")
+    assert read_lines(path) == ["a", "", "b"]
+    path.write_bytes(b"a\nb")  # no final newline: the last line still counts
+    assert read_lines(path) == ["a", "b"]

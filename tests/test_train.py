@@ -1,0 +1,146 @@
+"""Training: it learns, it resumes bit-identically, and DDP splits work without changing it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import BIN, ROOT, free_port, run, tiny_params
+from transformer import checkpoints
+from transformer.config import params_from_dict
+
+
+def _write_params(tmp_path: Path, **overrides) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(tiny_params(**overrides)))
+    return path
+
+
+def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), "--checkpoints", str(out / "ckpt"),
+            "--reports", str(out / "reports"), "--no-track"]
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return checkpoints.load(checkpoints.listed(out / "ckpt")[-1])["model"]
+
+
+def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
+    from conftest import toy_pairs
+    from transformer.tokenize import tokenize_corpus
+    from transformer.train import train
+    from transformer.translate import Translator
+    from transformer.vocab import build_vocabs
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for split, n in (("train", 800), ("val", 30)):
+        src = [p[0] for p in toy_pairs(n, seed=len(split))]
+        for lang in ("de", "en"):
+            (raw / f"{split}.{lang}").write_text("\n".join(src) + "\n")
+    tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
+    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val")
+    params = params_from_dict(tiny_params(**{"vocab.kind": "word", "model.tie_embeddings": False, "model.N": 2, "model.d_model": 64,
+                                             "model.d_ff": 128, "train.epochs": 15, "train.max_tokens": 200,
+                                             "train.label_smoothing": 0.0}))
+    summary = train(params, tmp_path / "vocab", tmp_path / "ckpt", tmp_path / "reports")
+    assert summary["steps"] < 800  # a few hundred updates: seconds on an idle CPU
+    assert summary["val_loss"] < 0.05
+    ckpt = checkpoints.load(checkpoints.listed(tmp_path / "ckpt")[-1])
+    checkpoints.save(tmp_path / "model.pt", ckpt)
+    translator = Translator(tmp_path / "model.pt", device="cpu")
+    sources = (tmp_path / "tok" / "val.de").read_text().splitlines()
+    assert translator.translate_tokenized(sources, beam=1) == (raw / "val.en").read_text().splitlines()
+
+
+def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 4, "train.keep": 2})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    names = [p.name for p in checkpoints.listed(tmp_path / "ckpt")]
+    assert len(names) == 2
+    steps = (tmp_path / "reports" / "train_steps.tsv").read_text().splitlines()
+    epochs = (tmp_path / "reports" / "train_epochs.tsv").read_text().splitlines()
+    assert steps[0].split("\t") == ["step", "loss", "lr", "tokens_per_s"] and len(steps) > 10
+    assert len(epochs) == 1 + 4
+    assert float(epochs[-1].split("\t")[3]) < float(epochs[1].split("\t")[3])  # val loss falls
+
+
+def test_killed_training_resumes_to_bit_identical_weights(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 3, "train.save_every": 3, "model.dropout": 0.1})
+    reference = tmp_path / "reference"
+    run([sys.executable] + _train_cmd(params, vocab_dir, reference), ROOT)
+
+    interrupted = tmp_path / "interrupted"
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable] + _train_cmd(params, vocab_dir, interrupted), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(int(p.stem.split("_")[1]) >= 6 for p in checkpoints.listed(interrupted / "ckpt")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = checkpoints.listed(interrupted / "ckpt")[-1]
+    assert done_before.name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
+
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, interrupted), ROOT)
+    assert "resuming from" in result.stderr
+    expected, actual = _final_weights(reference), _final_weights(interrupted)
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def test_changed_params_start_afresh_instead_of_resuming(tmp_path, vocab_dir):
+    out = tmp_path / "out"
+    run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1}), vocab_dir, out), ROOT)
+    result = run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out), ROOT)
+    assert "starting afresh" in result.stderr and "resuming" not in result.stderr
+    assert checkpoints.load(checkpoints.listed(out / "ckpt")[-1])["params"]["train"]["warmup"] == 50
+
+
+def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
+    cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    if endpoint:
+        cmd += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test"]
+    return cmd
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
+    """Same global batches: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated (no dropout)."""
+    common = {"train.epochs": 1, "train.max_steps": 6, "model.dropout": 0.0}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _write_params(tmp_path / "one", **common, **{"train.accum": 2})
+    two = _write_params(tmp_path / "two", **common, **{"train.nproc": 2})
+    run([sys.executable] + _train_cmd(one, vocab_dir, tmp_path / "one"), ROOT)
+    run(_torchrun(1, 2) + _train_cmd(two, vocab_dir, tmp_path / "two"), ROOT)
+    a, b = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a), "DDP changed the result"
+    moved = checkpoints.load(checkpoints.listed(tmp_path / "one" / "ckpt")[-1])["step"]
+    assert moved == 6
+
+
+@pytest.mark.slow
+def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
+    """2 nodes x 1 process through c10d rendezvous on 127.0.0.1 train like 2 local processes."""
+    common = {"train.epochs": 1, "train.max_steps": 4, "model.dropout": 0.0, "train.nnodes": 2}
+    params = _write_params(tmp_path, **common)
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    nodes = [subprocess.Popen(_torchrun(2, 1, rank, endpoint) + _train_cmd(params, vocab_dir, tmp_path / "nodes"),
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    local = tmp_path / "local"
+    local.mkdir()
+    run(_torchrun(1, 2) + _train_cmd(_write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local), ROOT)
+    a, b = _final_weights(tmp_path / "nodes"), _final_weights(local)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -1,0 +1,121 @@
+"""Translator: a model file in, detokenized translations out, in input order; vocabularies checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer import checkpoints
+from transformer.config import Params
+from transformer.io import DataError
+from transformer.model import make_model
+from transformer.translate import Translator, timed_translate
+from transformer.vocab import PAD, WordVocab
+
+SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
+TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads; on a busy machine, thread spinning costs seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _vocabs() -> tuple[WordVocab, WordVocab]:
+    return WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    """A tiny, untrained model saved the way average_checkpoints saves one."""
+    src, tgt = _vocabs()
+    config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 1, "d_model": 16, "d_ff": 32, "h": 2,
+              "dropout": 0.1, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    torch.manual_seed(0)
+    model = make_model(**config)
+    path = tmp_path_factory.mktemp("model") / "model.pt"
+    params = Params().to_dict()
+    assert (params["data"]["src_lang"], params["data"]["tgt_lang"]) == ("de", "en")
+    checkpoints.save(path, {"model": model.state_dict(), "model_config": config, "params": params,
+                            "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def translator(model_file) -> Translator:
+    return Translator(model_file, device="cpu")
+
+
+def test_translator_rebuilds_the_saved_model(translator, model_file):
+    saved = checkpoints.load(model_file)["model"]
+    for key, value in translator.model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert not translator.model.training
+
+
+def test_translations_keep_line_count_and_order(translator):
+    lines = SRC_LINES + ["Hund Hund Hund Hund Hund Hund", "ein"]
+    search = {"beam": 2, "alpha": 0.6, "max_len_extra": 3}
+    batched = translator.translate_tokenized(lines, batch_tokens=8, **search)  # several batches
+    alone = [translator.translate_tokenized([line], **search)[0] for line in lines]
+    assert len(batched) == len(lines)
+    assert batched == alone
+    assert len(set(batched)) > 1  # distinct inputs, distinct outputs: a shuffle would show
+
+
+def test_empty_input_line_gives_an_empty_output_line(translator):
+    out = translator.translate_tokenized(["ein Hund", "", "   ", "eine Frau"], beam=2, max_len_extra=3)
+    assert len(out) == 4
+    assert out[1] == "" and out[2] == ""
+    assert out[0] == translator.translate_tokenized(["ein Hund"], beam=2, max_len_extra=3)[0]
+
+
+def test_output_is_at_most_source_length_plus_extra(translator):
+    out = translator.translate_tokenized(["ein Hund"], beam=2, max_len_extra=1)
+    assert len(out[0].split()) <= 2 + 1 + 1  # two words and </s>, plus one
+
+
+def test_outputs_contain_only_target_words(translator):
+    _, tgt = _vocabs()
+    words = set(tgt.itos[4:])
+    for line in translator.translate_tokenized(SRC_LINES, beam=3, max_len_extra=4):
+        assert set(line.split()) <= words, line
+
+
+def test_raw_text_is_tokenized_with_the_source_language(translator):
+    raw = translator.translate(["ein Hund läuft."], beam=2, max_len_extra=3)
+    assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], beam=2, max_len_extra=3)
+
+
+def test_timed_translate_reports_speed(translator):
+    out, speed = timed_translate(translator, SRC_LINES, beam=2, max_len_extra=2)
+    assert len(out) == len(SRC_LINES)
+    assert speed["seconds"] >= 0 and speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
+
+
+def test_same_vocabulary_passes_the_check(translator, tmp_path):
+    translator.check_vocab(*_vocabs(), tmp_path)
+
+
+def test_other_vocabulary_is_refused(translator, tmp_path):
+    src, tgt = _vocabs()
+    other = WordVocab.build(TGT_LINES + ["a cat"], min_freq=1)
+    with pytest.raises(DataError, match="does not match") as e:
+        translator.check_vocab(src, other, tmp_path / "vocab")
+    assert "target" in str(e.value) and str(tmp_path / "vocab") in str(e.value)
+    with pytest.raises(DataError, match="source vocabulary"):
+        translator.check_vocab(tgt, tgt, tmp_path / "vocab")
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(model_file, tmp_path):
+    ckpt = checkpoints.load(model_file)
+    ckpt["model_config"] = ckpt["model_config"] | {"d_ff": 64}
+    checkpoints.save(tmp_path / "bad.pt", ckpt)
+    with pytest.raises(DataError, match="do not fit the model config"):
+        Translator(tmp_path / "bad.pt", device="cpu")

@@ -1,0 +1,165 @@
+"""Word and BPE vocabularies: fixed special ids, reversible BPE, state round trips, build_vocabs outputs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.batching import ParallelCorpus
+from transformer.io import DataError
+from transformer.tokenize import JOINER
+from transformer.vocab import (BOS, EOS, PAD, SPECIALS, UNK, BpeVocab, WordVocab, build_vocabs, encode_corpus,
+                               fingerprint, load_vocabs, vocab_from_state)
+
+WORDS = "der die das ein eine Mann Frau Hund läuft spielt the a man woman dog runs plays football".split()
+
+
+def _synthetic(n: int, seed: int) -> list[str]:
+    """Tokenized lines with glued punctuation, like the tokenize stage writes."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
+        words += [JOINER + rng.choice(",.!?")] if rng.random() < 0.7 else []
+        lines.append(" ".join(words))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> BpeVocab:
+    return BpeVocab.train(_synthetic(300, seed=0), 60)
+
+
+def test_special_ids_are_fixed():
+    assert SPECIALS == ("<s>", "</s>", "<blank>", "<unk>")
+    assert (BOS, EOS, PAD, UNK) == (0, 1, 2, 3)
+
+
+def test_word_vocab_puts_specials_first_and_ranks_by_frequency():
+    vocab = WordVocab.build(["b a a", "c a b"], min_freq=1)
+    assert vocab.itos == ["<s>", "</s>", "<blank>", "<unk>", "a", "b", "c"]
+
+
+def test_word_vocab_respects_min_freq():
+    vocab = WordVocab.build(["x x x y y z"], min_freq=2)
+    assert "x" in vocab.stoi and "y" in vocab.stoi
+    assert "z" not in vocab.stoi
+    assert len(vocab) == 6
+
+
+def test_word_vocab_maps_unknown_tokens_to_unk():
+    vocab = WordVocab.build(["a dog runs", "a cat runs"], min_freq=1)
+    ids = vocab.encode("a zebra runs")
+    assert ids[1] == UNK
+    assert ids[0] == vocab.stoi["a"] and ids[2] == vocab.stoi["runs"]
+
+
+def test_word_vocab_decode_drops_specials():
+    vocab = WordVocab.build(["a dog"], min_freq=1)
+    assert vocab.decode([BOS, vocab.stoi["a"], PAD, vocab.stoi["dog"], EOS]) == "a dog"
+
+
+def test_word_vocab_without_leading_specials_is_refused():
+    with pytest.raises(DataError, match="must start with"):
+        WordVocab(["a", "b", "c", "d"])
+
+
+def test_bpe_respects_the_requested_size_and_special_ids(bpe):
+    assert len(bpe) == 60
+    assert [bpe.sp.id_to_piece(i) for i in range(4)] == list(SPECIALS)
+
+
+def test_bpe_decode_inverts_encode_including_the_joiner(bpe):
+    lines = _synthetic(50, seed=1)
+    assert any(JOINER in line for line in lines)
+    for line in lines:
+        ids = bpe.encode(line)
+        assert all(i != UNK for i in ids), line
+        assert bpe.decode(ids) == line
+
+
+def test_bpe_decode_drops_specials(bpe):
+    ids = bpe.encode(f"der Hund {JOINER}.")
+    assert bpe.decode([BOS] + ids + [EOS, PAD]) == f"der Hund {JOINER}."
+
+
+def test_build_vocabs_leaves_only_its_outputs(tmp_path):
+    # anything else left in the output directory would end up in the DVC output
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for split in ("train", "val"):
+        for lang in ("de", "en"):
+            (tok / f"{split}.{lang}").write_text("\n".join(_synthetic(200, seed=2)) + "\n")
+    build_vocabs(tok, tmp_path / "out", ("de", "en"), "bpe", 50, 1, "train", "val")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpe.model", "bpe.vocab", "train.pt", "val.pt", "vocab.json", "vocab.pt"]
+
+
+@pytest.mark.parametrize("kind", ["word", "bpe"])
+def test_vocab_state_round_trips_through_torch_save(kind, bpe, tmp_path):
+    vocab = bpe if kind == "bpe" else WordVocab.build(_synthetic(50, seed=3), min_freq=1)
+    torch.save(vocab.state(), tmp_path / "state.pt")
+    restored = vocab_from_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert type(restored) is type(vocab)
+    assert len(restored) == len(vocab)
+    assert fingerprint(restored) == fingerprint(vocab)
+    line = _synthetic(1, seed=4)[0]
+    assert restored.encode(line) == vocab.encode(line)
+
+
+def test_fingerprint_tells_vocabularies_apart(bpe):
+    a = WordVocab.build(["a b c"], min_freq=1)
+    b = WordVocab.build(["a b d"], min_freq=1)
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(WordVocab(list(a.itos)))
+    assert fingerprint(bpe) != fingerprint(a)
+
+
+def test_encode_corpus_offsets_delimit_each_line():
+    vocab = WordVocab.build(["a b c"], min_freq=1)
+    ids, offsets = encode_corpus(vocab, ["a b", "", "c a b"])
+    assert offsets.tolist() == [0, 2, 2, 5]
+    assert ids[offsets[2]:offsets[3]].tolist() == vocab.encode("c a b")
+    assert ids.dtype == torch.int32
+
+
+def _tokenized_corpus(tok: Path) -> None:
+    tok.mkdir()
+    for split, n, seed in (("train", 300, 10), ("val", 12, 20)):
+        for lang, offset in (("de", 0), ("en", 1)):
+            lines = _synthetic(n, seed + offset)
+            (tok / f"{split}.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def test_build_vocabs_bpe_writes_vocab_and_id_arrays(tmp_path):
+    tok, out = tmp_path / "tok", tmp_path / "vocab"
+    _tokenized_corpus(tok)
+    sizes = build_vocabs(tok, out, ("de", "en"), "bpe", 60, 2, "train", "val")
+    assert sizes == {"src_size": 60, "tgt_size": 60}
+    for name in ("bpe.model", "bpe.vocab", "vocab.json", "vocab.pt", "train.pt", "val.pt"):
+        assert (out / name).exists(), name
+    assert not (out / ".bpe-train.txt").exists()
+    src, tgt = load_vocabs(out)
+    assert fingerprint(src) == fingerprint(tgt)  # one joint vocabulary
+    val = ParallelCorpus(out / "val.pt")
+    assert len(val) == 12
+    first_de = (tok / "val.de").read_text(encoding="utf-8").split("\n")[0]
+    assert src.decode(val.src[val.src_off[0]:val.src_off[1]].tolist()) == first_de
+
+
+def test_build_vocabs_word_writes_separate_vocabularies(tmp_path):
+    tok, out = tmp_path / "tok", tmp_path / "vocab"
+    _tokenized_corpus(tok)
+    build_vocabs(tok, out, ("de", "en"), "word", 60, 1, "train", "val")
+    for name in ("src.vocab", "tgt.vocab", "vocab.pt", "vocab.json", "train.pt", "val.pt"):
+        assert (out / name).exists(), name
+    src, tgt = load_vocabs(out)
+    assert isinstance(src, WordVocab) and isinstance(tgt, WordVocab)
+    assert len(ParallelCorpus(out / "train.pt")) == 300
+
+
+def test_load_vocabs_without_vocab_file_names_the_stage(tmp_path):
+    with pytest.raises(DataError, match="build_vocab"):
+        load_vocabs(tmp_path)

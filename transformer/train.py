@@ -103,7 +103,8 @@ def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tr
     identity = {"params": {s: params.to_dict()[s] for s in TRAIN_SECTIONS}, "data": data_fingerprint(vocab_dir, "train")}
     progress = _resume(ckpt_dir, identity, model, optimizer, env)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
-    ddp = nn.parallel.DistributedDataParallel(model) if env.world > 1 else model
+    # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if env.world > 1 else model
     step_model = torch.compile(ddp) if p.compile else ddp
     loop = _Loop(params, env, model, step_model, optimizer, corpus, valid, progress, tracker, ckpt_dir, reports_dir,
                  {"model_config": _model_config(params, src_vocab, tgt_vocab),
@@ -183,7 +184,7 @@ class _Loop:
         pr, p = self.progress, self.p
         while pr.epoch < p.epochs and not self._done():
             batches = token_batches(self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch)
-            groups = epoch_steps(batches, self.env.world, p.accum, self.env.rank)
+            groups = epoch_steps(batches, 1, self.env.world * p.accum, 0)  # global; _update takes this rank's share
             if not groups:
                 raise TrainingError(f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; lower them or train.max_tokens")
             self._epoch(groups)

@@ -69,9 +69,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,
+        input_text: str | None = None) -> subprocess.CompletedProcess:
     full_env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | (env or {})
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                            input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

@@ -28,6 +28,12 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     assert (repo / "data/translations/test2016.txt").read_text().count("\n") == 60
     assert "tok:13a" in (repo / "reports/scores.md").read_text()
 
+    translated = run([str(BIN / "transformer"), "translate", "--model", "data/model/model.pt", "--beam", "1"], repo,
+                     input_text="kan pen.\n\nbin don.\n")
+    assert translated.stdout.splitlines() == ["ak ep.", "", "ib od."]
+
+    _assert_mlflow_run_has_curves_and_scores(repo)
+
     again = run([DVC, "repro"], repo)
     assert "Running stage" not in again.stdout
 
@@ -40,6 +46,21 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
 
     shown = run([DVC, "metrics", "show"], repo).stdout
     assert "reports/scores.json" in shown and "test2016.bleu" in shown
+
+
+def _assert_mlflow_run_has_curves_and_scores(repo):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
+    (run_,) = client.search_runs([experiment.experiment_id])
+    assert run_.data.params["model.d_model"] == "32" and "version.torch" in run_.data.params
+    assert len(client.get_metric_history(run_.info.run_id, "loss")) > 20
+    assert client.get_metric_history(run_.info.run_id, "val_loss")
+    assert run_.data.metrics["test2016_bleu"] > 80
+    assert run_.data.tags["direction"] == "de-en"
+    artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
+    assert {"model", "translations", "reports", "vocab", "checkpoints"} <= artifacts
 
 
 @pytest.mark.slow

@@ -161,3 +161,25 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     local.mkdir()
     run(_torchrun(1, 2) + _train_cmd(_write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local), ROOT)
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
+
+
+def test_diverging_loss_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path, vocab_dir):
+    # A huge learning rate makes the loss overflow within a few updates: a real divergence.
+    params = _write_params(tmp_path, **{"train.factor": 1e6, "train.warmup": 1, "train.save_every": 1})
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
+    assert result.returncode == 1
+    assert "at step" in result.stderr and ("non-finite" in result.stderr or "error: loss is" in result.stderr)
+    assert "Traceback" not in result.stderr
+    kept = checkpoints.listed(tmp_path / "ckpt")
+    assert kept, "the last good checkpoint must stay"
+    for path in kept:
+        assert all(torch.isfinite(t).all() for t in checkpoints.load(path)["model"].values() if t.is_floating_point())
+
+
+def test_unreachable_tracking_server_fails_before_any_training(tmp_path, vocab_dir):
+    params = _write_params(tmp_path)
+    cmd = [sys.executable] + [a for a in _train_cmd(params, vocab_dir, tmp_path) if a != "--no-track"]
+    result = run(cmd, ROOT, check=False, env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"})
+    assert result.returncode == 1
+    assert "is unreachable" in result.stderr and "MLFLOW_TRACKING_URI" in result.stderr
+    assert not (tmp_path / "ckpt").exists()

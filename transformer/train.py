@@ -111,12 +111,20 @@ def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tr
                   "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity})
     try:
         summary = loop.run()
+    except torch.cuda.OutOfMemoryError:
+        if tracker:
+            tracker.end("FAILED")
+        raise TrainingError(f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
+                            f"(now {p.max_tokens}) and raise train.accum to keep the tokens per update") from None
     except BaseException:
         if tracker:
             tracker.end("FAILED")
         raise
     if tracker:
         tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+        final = checkpoints.listed(ckpt_dir)
+        if final:
+            tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
     if env.world > 1:
         dist.barrier()
@@ -299,6 +307,11 @@ class _Loop:
         if not self.env.main:
             return
         pr = self.progress
+        # A finite loss was computed before the last update, which can still overflow the weights.
+        broken = next((name for name, t in self.model.named_parameters() if not torch.isfinite(t).all()), None)
+        if broken:
+            raise TrainingError(f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
+                                f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup.")
         path = checkpoints.path_for(self.ckpt_dir, pr.step)
         checkpoints.save(path, {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "params": self.params.to_dict(),

@@ -11,15 +11,6 @@ from transformer.vocab import BOS, PAD
 V_SRC, V_TGT = 13, 11
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads; on a busy machine, thread spinning costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(norm: str = "pre", tie: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     vocab = V_SRC if tie else V_TGT

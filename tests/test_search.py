@@ -16,15 +16,6 @@ FLOOR = 1e-4  # probability of every token a script does not name...
 EOS_FLOOR = 1e-9  # ...but </s>: an unscripted end must never outrank a scripted hypothesis
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads; on a busy machine, thread spinning costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class ScriptedState:
     """Each row remembers its sentence and the tokens it has produced after <s>."""
 

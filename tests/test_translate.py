@@ -18,15 +18,6 @@ SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau lies
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads; on a busy machine, thread spinning costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _vocabs() -> tuple[WordVocab, WordVocab]:
     return WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
 

@@ -25,6 +25,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yields a temporary sibling of `path`; renames it onto `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)

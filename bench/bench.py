@@ -1,0 +1,464 @@
+"""Speed of the project's model against the seed-style baseline, side by side in one process.
+
+Run from the repository root (about 6 minutes on 2 cores; --quick: about 1 minute, small size only):
+
+    python bench/bench.py [--quick] [--vocab-dir data/vocab] [--out reports/bench.json]
+
+It prints one table and writes all figures, with the machine's description, to reports/bench.json.
+
+What is measured, on one machine, one model size at a time (small: N=3, d_model=256,
+d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
+
+- matmul peak: a 2048×2048 matmul repeated after warm-up, fp32 and bf16, in GFLOP/s. It is
+  the denominator of MFU (model FLOPs utilization) for rows of that dtype.
+- training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam,
+  label smoothing 0.1, dropout on); batches are built before the clock starts:
+    a. ours, 256 sentences: transformer.model.make_model + transformer.loss.token_loss,
+       fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch).
+    b. baseline, 256 sentences: bench/baseline.py (the seed's way of computing the same
+       model) on the very same batches as a.
+    c. ours, token batches: the project's default batching, token_batches with
+       max_tokens = 3000 (train.max_tokens), fp32.
+    d. baseline, seed recipe: 32 sentences padded to a fixed 72 tokens, as the seed trains
+       (without its gradient accumulation, which changes the update count, not the speed).
+    e. ours, token batches, bf16: c under torch.autocast("cpu", dtype=torch.bfloat16).
+  The ratio compares a with b (same batches: the model's code alone) and c, e with d (the
+  project's training recipe against the seed's).
+- decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
+  sentences of test2016-like lengths: ours greedy and beam 4 (transformer.search, batched by
+  length as transformer.translate does), and the baseline's greedy, one sentence at a time,
+  re-running the decoder over the whole prefix. An untrained model may never (or at once)
+  emit </s>, so every search gets eos = -1, an id no token has: each sentence is decoded to
+  exactly its max length, source length + 5, for ours and the baseline alike.
+
+Data: by default a synthetic corpus with the size and length distribution of Multi30k de-en
+under joint BPE 8000 (29,000 pairs; source ≈ 14.8 ± 5.4 tokens, target ≈ 14.3 ± 4.8; random
+ids in [4, 8000), joint vocabulary, tied embeddings), seeded, so runs are comparable.
+--vocab-dir takes the build_vocab stage's output instead (vocab.pt and train.pt) for real
+token ids; ours then ties embeddings only if the vocabulary is joint (bpe). The baseline never
+ties, as in the seed: that changes the parameter count, not the FLOPs.
+
+The baseline rows time the model's update or search alone: the seed's own loop also
+tokenizes with spaCy inside its DataLoader, so it runs slower than row b or d.
+
+Other processes on the machine slow every row, small-op rows (decoding, 32-sentence batches)
+the most, as their threads lose the cores. The column "others" is how many cores other
+processes kept busy meanwhile (from /proc/stat); a warning follows the table above 0.2.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # baseline.py sits beside this script, outside the package
+import baseline  # noqa: E402
+
+from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
+from transformer.config import DecodeConfig, TrainConfig  # noqa: E402
+from transformer.io import write_json  # noqa: E402
+from transformer.loss import token_loss  # noqa: E402
+from transformer.model import Transformer, make_model  # noqa: E402
+from transformer.search import beam_search, greedy  # noqa: E402
+from transformer.system import hardware  # noqa: E402
+from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 1234
+SYNTHETIC_VOCAB = 8000
+MULTI30K_TRAIN = 29_000  # sentence pairs
+SEED_PADDING = 72  # the seed recipe's fixed length, source and target with <s> and </s>
+NO_EOS = -1  # an id no token has: searches run every sentence to its max length
+EXTRA = 5  # decoded length = source length + EXTRA
+MAX_BATCHES = 40  # built per training row, warm-up included
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    N: int
+    d_model: int
+    d_ff: int
+    h: int
+
+
+SIZES = {"small": Size("small", 3, 256, 1024, 4), "base": Size("base", 6, 512, 2048, 8)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long to measure. Each training row runs `warmup` updates, then timed updates until
+    `row_seconds` have passed (at least 2); rows are timed, not counted, to bound the runtime."""
+
+    sizes: tuple[str, ...]
+    warmup: tuple[int, ...]  # per size
+    row_seconds: tuple[float, ...]  # per size
+    decode_sentences: int
+    matmul_seconds: float
+
+
+FULL = Plan(("small", "base"), (2, 1), (10.0, 20.0), 100, 2.0)
+QUICK = Plan(("small",), (1,), (3.0,), 24, 1.0)
+
+
+@dataclass(frozen=True)
+class Data:
+    corpus: ParallelCorpus
+    src_vocab: int
+    tgt_vocab: int
+    joint: bool
+    origin: str
+
+
+# ---------------------------------------------------------------------------- data
+
+def synthetic_lengths(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
+    """Sentence lengths in tokens, without specials, like Multi30k de-en with joint BPE 8000
+    (train: source 14.8 ± 5.4, target 14.3 ± 4.8, longest 52): a right-skewed gamma for the
+    source, the target a noisy linear function of it."""
+    mean, sd = 14.8, 5.4
+    src = [min(60, max(2, round(rng.gammavariate((mean / sd) ** 2, sd * sd / mean)))) for _ in range(n)]
+    tgt = [min(60, max(2, round(0.85 * s + 1.72 + rng.gauss(0.0, 1.4)))) for s in src]
+    return src, tgt
+
+
+def write_synthetic(path: Path, n: int, vocab: int, seed: int) -> None:
+    """A corpus file in the build_vocab stage's format: random ids in [4, vocab) (no specials)."""
+    src_lens, tgt_lens = synthetic_lengths(random.Random(seed), n)
+    g = torch.Generator().manual_seed(seed)
+    data = {}
+    for side, lens in (("src", src_lens), ("tgt", tgt_lens)):
+        data[side] = torch.randint(4, vocab, (sum(lens),), generator=g, dtype=torch.int32)
+        data[f"{side}_offsets"] = torch.cumsum(torch.tensor([0] + lens), 0)
+    torch.save(data, path)
+
+
+def load_data(vocab_dir: Path | None, tmp: Path) -> Data:
+    if vocab_dir is None:
+        path = tmp / "synthetic.pt"
+        write_synthetic(path, MULTI30K_TRAIN, SYNTHETIC_VOCAB, SEED)
+        return Data(ParallelCorpus(path), SYNTHETIC_VOCAB, SYNTHETIC_VOCAB, True, "synthetic, Multi30k-like lengths")
+    src, tgt = load_vocabs(vocab_dir)
+    return Data(ParallelCorpus(vocab_dir / "train.pt"), len(src), len(tgt), src.kind == "bpe",
+                f"{vocab_dir / 'train.pt'} ({src.kind} vocabulary)")
+
+
+def sentence_batches(corpus: ParallelCorpus, sentences: int, count: int, seed: int) -> list[Batch]:
+    """`count` batches of `sentences` random sentences, each padded to its own longest."""
+    order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [corpus.batch(order[i * sentences:(i + 1) * sentences]) for i in range(count)]
+
+
+def pad_to(batch: Batch, length: int) -> Batch:
+    """The seed's fixed padding: source and <s> target </s> to `length`, so length - 1 after the shift."""
+    def pad(t: torch.Tensor, n: int) -> torch.Tensor:
+        return F.pad(t, (0, n - t.size(1)), value=PAD)
+
+    return Batch(pad(batch.src, length), pad(batch.tgt_in, length - 1), pad(batch.tgt_out, length - 1), batch.ntokens)
+
+
+def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch]]:
+    index = token_batches(corpus.src_lens, corpus.tgt_lens, TrainConfig().max_tokens, SEED)[:count]
+    return {"256 sentences": sentence_batches(corpus, 256, count, SEED),
+            "token batches": [corpus.batch(i) for i in index],
+            "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)]}
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+def train_flops(batch: Batch, size: Size, tgt_vocab: int) -> float:
+    """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`.
+
+    Every weight of a matmul costs 6 FLOPs per token it is applied to (2 forward, 4 backward;
+    Kaplan et al. 2020), with S the source tokens (with </s>) and T the target tokens (with </s>):
+        encoder, per source token:  N (4 d_model² + 2 d_model d_ff)
+        decoder, per target token:  N (8 d_model² + 2 d_model d_ff) + d_model V   (V: generator)
+    Attention adds QKᵀ and AV, 2 d_model FLOPs each per (query, attended key) pair and layer,
+    times 3 for training, over the pairs the masks allow, per sentence:
+        12 N d_model (S² + T(T + 1)/2 + T S)   (encoder self, causal decoder self, source)
+    Padding, embedding look-ups, biases, norms, softmax and the optimizer are not counted: MFU
+    credits useful work only, so time spent on padding lowers it."""
+    S = (batch.src != PAD).sum(1).double()  # (B,)
+    T = (batch.tgt_out != PAD).sum(1).double()
+    N, d, d_ff = size.N, size.d_model, size.d_ff
+    weights = 6 * (N * (4 * d * d + 2 * d * d_ff) * S + (N * (8 * d * d + 2 * d * d_ff) + d * tgt_vocab) * T)
+    attention = 12 * N * d * (S * S + T * (T + 1) / 2 + T * S)
+    return float((weights + attention).sum())
+
+
+def matmul_peak(dtype: torch.dtype, seconds: float, n: int = 2048) -> float:
+    """GFLOP/s of an n×n by n×n matmul (2 n³ FLOPs), repeated for `seconds` after warm-up."""
+    g = torch.Generator().manual_seed(SEED)
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    c = torch.empty(n, n, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    reps, start = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < seconds:
+        torch.mm(a, b, out=c)
+        reps += 1
+    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e9
+
+
+# ---------------------------------------------------------------------------- training
+
+Step = Callable[[Batch], torch.Tensor]
+
+
+def ours_model(data: Data, size: Size) -> Transformer:
+    torch.manual_seed(SEED)
+    return make_model(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h,
+                      dropout=0.1, norm="pre", tie_embeddings=data.joint, pad=PAD)
+
+
+def baseline_model(data: Data, size: Size) -> baseline.Baseline:
+    torch.manual_seed(SEED)
+    return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
+
+
+def ours_step(data: Data, size: Size, bf16: bool) -> Step:
+    """One update the way transformer.train does it (loss normalized by target tokens)."""
+    model = ours_model(data, size).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    smoothing = TrainConfig().label_smoothing
+
+    def step(batch: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            hidden = model(batch.src, batch.tgt_in)
+            loss, _ = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
+            (loss / batch.ntokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def baseline_step(data: Data, size: Size) -> Step:
+    model = baseline_model(data, size).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    criterion = baseline.LabelSmoothing(data.tgt_vocab, PAD, TrainConfig().label_smoothing)
+    return lambda b: baseline.train_step(model, criterion, optimizer, b.src, b.tgt_in, b.tgt_out, PAD)
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has run (Linux /proc/stat); 0 elsewhere."""
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Clock:
+    """Wall time, and how many cores other processes kept busy meanwhile: on a shared
+    machine every figure measured while they run is low."""
+
+    def __enter__(self) -> Clock:
+        self.start, self.cpu_start, self.busy_start = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+        mine = time.process_time() - self.cpu_start
+        self.others = max(0.0, busy_cpu_seconds() - self.busy_start - mine) / self.seconds
+
+
+def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float) -> tuple[Clock, list[Batch]]:
+    """The clock of the timed updates, and their batches. CPU ops run synchronously, so the
+    clock needs no device sync."""
+    for batch in batches[:warmup]:
+        step(batch)
+    timed = []
+    with Clock() as clock:
+        for batch in batches[warmup:]:
+            step(batch)
+            timed.append(batch)
+            if len(timed) >= 2 and time.perf_counter() - clock.start >= seconds:
+                break
+    return clock, timed
+
+
+def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
+              plan: Plan, peak: float) -> dict[str, Any]:
+    i = plan.sizes.index(size.name)
+    clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
+    seconds = clock.seconds
+    tokens = sum(b.ntokens for b in timed)
+    flops = sum(train_flops(b, size, data.tgt_vocab) for b in timed)
+    row = {"size": size.name, "key": key, "row": label, "dtype": dtype, "updates": len(timed),
+           "seconds": round(seconds, 3), "target_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+           "flops_per_token": round(flops / tokens), "mfu": round(flops / seconds / (peak * 1e9), 4),
+           "target_fill": round(tokens / sum(b.tgt_out.numel() for b in timed), 3),
+           "other_cores_busy": round(clock.others, 2)}
+    print(f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  "
+          f"({len(timed)} updates, {seconds:.1f} s)", file=sys.stderr)
+    gc.collect()
+    return row
+
+
+TRAIN_ROWS = (  # key, label, model, batches, bf16
+    ("a", "ours, 256 sentences", "ours", "256 sentences", False),
+    ("b", "baseline, 256 sentences", "baseline", "256 sentences", False),
+    ("c", "ours, token batches", "ours", "token batches", False),
+    ("d", "baseline, seed recipe", "baseline", "seed recipe", False),
+    ("e", "ours, token batches, bf16", "ours", "token batches", True),
+)
+
+
+def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -> list[dict[str, Any]]:
+    batches = training_batches(data.corpus, MAX_BATCHES)
+    rows = []
+    for key, label, model, kind, bf16 in TRAIN_ROWS:
+        step = ours_step(data, size, bf16) if model == "ours" else baseline_step(data, size)
+        dtype = "bf16" if bf16 else "fp32"
+        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype]))
+    return compare(rows, {"a": "b", "c": "d", "e": "d"})
+
+
+def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:
+    """Adds each row's speed ratio to the baseline row it is compared with."""
+    speed = {r["key"]: r["tokens_per_s"] for r in rows}
+    for r in rows:
+        ref = against.get(r["key"])
+        r["vs"], r["ratio"] = (ref, round(speed[r["key"]] / speed[ref], 3)) if ref else (None, None)
+    return rows
+
+
+# ---------------------------------------------------------------------------- decoding
+
+def decode_sources(corpus: ParallelCorpus, count: int) -> list[list[int]]:
+    """Source sentences (ids + </s>) drawn at random: test2016 has the training set's lengths."""
+    order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(SEED + 2))[:count].tolist()
+    return [corpus.batch([i]).src[0].tolist() for i in order]
+
+
+def length_batches(sources: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices by ascending length, at most max_tokens padded source tokens a batch (as transformer.translate)."""
+    batches, current = [], []
+    for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+        if current and len(sources[i]) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> int:
+    """Target tokens produced by ours on every source, batched by length."""
+    tokens = 0
+    for batch in length_batches(sources, DecodeConfig().batch_tokens // beam):
+        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(sources[i]) for i in batch], batch_first=True,
+                                              padding_value=PAD)  # (B, S)
+        max_len = torch.tensor([len(sources[i]) + EXTRA for i in batch])
+        if beam == 1:
+            out = greedy(model, src, max_len, BOS, NO_EOS)
+        else:
+            out = beam_search(model, src, beam, DecodeConfig().alpha, max_len, BOS, NO_EOS)
+        tokens += sum(len(o) for o in out)
+    return tokens
+
+
+def decode_baseline(model: baseline.Baseline, sources: list[list[int]]) -> int:
+    return sum(len(baseline.greedy_decode(model, torch.tensor([s]), len(s) + EXTRA, BOS, PAD)) for s in sources)
+
+
+def decode_row(key: str, label: str, run: Callable[[list[list[int]]], int], sources: list[list[int]],
+               size: Size) -> dict[str, Any]:
+    run(sources[:4])  # warm-up
+    with Clock() as clock:
+        tokens = run(sources)
+    seconds = clock.seconds
+    expected = sum(len(s) + EXTRA for s in sources)
+    row = {"size": size.name, "key": key, "row": label, "dtype": "fp32", "sentences": len(sources),
+           "seconds": round(seconds, 3), "target_tokens": tokens, "forced_length_held": tokens == expected,
+           "tokens_per_s": round(tokens / seconds, 1), "sentences_per_s": round(len(sources) / seconds, 2),
+           "other_cores_busy": round(clock.others, 2)}
+    print(f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  ({seconds:.1f} s)", file=sys.stderr)
+    return row
+
+
+def decoding_rows(size: Size, data: Data, plan: Plan) -> list[dict[str, Any]]:
+    sources = decode_sources(data.corpus, plan.decode_sentences)
+    ours, base, beam = ours_model(data, size).eval(), baseline_model(data, size).eval(), DecodeConfig().beam
+    rows = [decode_row("f", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
+            decode_row("g", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
+            decode_row("h", "baseline, greedy, one by one", lambda s: decode_baseline(base, s), sources, size)]
+    return compare(rows, {"f": "h", "g": "h"})
+
+
+# ---------------------------------------------------------------------------- report
+
+def machine() -> dict[str, Any]:
+    return {"hardware": hardware(), "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+
+
+def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]]) -> str:
+    lines = [f"matmul peak (2048×2048): fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s",
+             f"{'size':<6} {'row':<32} {'dtype':<5} {'tok/s':>8} {'sent/s':>7} {'MFU %':>6} {'ratio':>10} "
+             f"{'others':>6}"]
+    for r in rows:
+        sent = f"{r['sentences_per_s']:.1f}" if "sentences_per_s" in r else "-"
+        mfu = f"{100 * r['mfu']:.1f}" if "mfu" in r else "-"
+        ratio = f"{r['ratio']:.2f}× {r['vs']}" if r["vs"] else "1 (ref)"
+        lines.append(f"{r['size']:<6} {r['key'] + '. ' + r['row']:<32} {r['dtype']:<5} {r['tokens_per_s']:>8,.0f} "
+                     f"{sent:>7} {mfu:>6} {ratio:>10} {r['other_cores_busy']:>6.2f}")
+    busy = max([peak_busy] + [r["other_cores_busy"] for r in rows])
+    if busy > 0.2:
+        lines.append(f"warning: other processes kept up to {busy:.2f} cores busy during a row ('others'): "
+                     f"its figures are low and the ratios noisy; rerun on a quiet machine")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Small size only, shorter rows (about a minute).")
+@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="build_vocab output (vocab.pt, train.pt) to use real token ids instead of the synthetic corpus.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "bench.json",
+              show_default=True)
+def main(quick: bool, vocab_dir: Path | None, out: Path) -> None:
+    """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
+    plan = QUICK if quick else FULL
+    start = time.perf_counter()
+    info = machine()
+    with Clock() as clock:
+        peaks = {name: matmul_peak(dtype, plan.matmul_seconds) for name, dtype in DTYPES.items()}
+    info["other_cores_busy_during_peak"] = round(clock.others, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = load_data(vocab_dir, Path(tmp))
+        train, decode = [], []
+        for name in plan.sizes:
+            train += training_rows(SIZES[name], data, plan, peaks)
+            decode += decoding_rows(SIZES[name], data, plan)
+    info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    runtime = time.perf_counter() - start
+    by_size = sorted(train + decode, key=lambda r: plan.sizes.index(r["size"]))  # stable: keys stay in order
+    print(table(peaks, info["other_cores_busy_during_peak"], by_size))
+    print(f"decoding: untrained models, eos disabled, every sentence decoded to source length + {EXTRA}; "
+          f"runtime {runtime:.0f} s")
+    write_json(out, {"machine": info, "data": data.origin, "plan": asdict(plan), "quick": quick,
+                     "sizes": {n: asdict(SIZES[n]) for n in plan.sizes},
+                     "peak_gflops": {k: round(v, 1) for k, v in peaks.items()},
+                     "train": train, "decode": decode, "runtime_s": round(runtime, 1),
+                     "flops_formula": train_flops.__doc__})
+
+
+if __name__ == "__main__":
+    main()

@@ -121,3 +121,47 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The fault and bad-input suite: each category lists the tests (file::name prefixes) that
+# prove a clear error, a non-zero exit or no partial output for one kind of fault.
+FAULTS = {
+    "1 params": ["test_config.py::test_unknown_", "test_config.py::test_missing_section", "test_config.py::test_wrong_type",
+                 "test_config.py::test_d_model_not_divisible", "test_config.py::test_out_of_range", "test_config.py::test_nan",
+                 "test_config.py::test_yaml_syntax", "test_config.py::test_error_from_a_file"],
+    "2 download": ["test_download.py::test_checksum_mismatch", "test_download.py::test_truncated_gzip",
+                   "test_download.py::test_file_missing_from_mirror", "test_download.py::test_archive_with_",
+                   "test_download.py::test_failure_keeps", "test_pipeline.py::test_download_stage"],
+    "3 corpus": ["test_tokenize.py::test_misaligned", "test_tokenize.py::test_non_utf8", "test_tokenize.py::test_empty_",
+                 "test_tokenize.py::test_train_split_with_nothing", "test_download.py::test_non_utf8",
+                 "test_download.py::test_lines_split_only_at_newlines"],
+    "4 vocabulary": ["test_translate.py::test_other_vocabulary", "test_translate.py::test_weights_that_do_not_fit"],
+    "5 checkpoint": ["test_checkpoints.py::test_truncated", "test_checkpoints.py::test_checkpoint_with_code",
+                     "test_checkpoints.py::test_checkpoint_lacking_keys", "test_checkpoints.py::test_file_that_is_not"],
+    "6 training": ["test_train.py::test_diverging", "test_checkpoints.py::test_failed_save"],
+    "7 tracking": ["test_train.py::test_unreachable_tracking"],
+    "8 interruptions": ["test_train.py::test_killed_training", "test_interruptions.py::test_decode_killed"],
+    "9 ddp": ["test_interruptions.py::test_dead_ddp_worker"],
+}
+_fault_results: dict[str, list[bool]] = {}
+
+
+def _fault_category(nodeid: str) -> str | None:
+    name = nodeid.split("tests/", 1)[-1]
+    return next((c for c, prefixes in FAULTS.items() if any(name.startswith(p) for p in prefixes)), None)
+
+
+def pytest_runtest_logreport(report):
+    category = _fault_category(report.nodeid)
+    if category and (report.when == "call" or report.failed):
+        _fault_results.setdefault(category, []).append(report.passed)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _fault_results:
+        return
+    terminalreporter.section("fault and bad-input suite")
+    for category in FAULTS:
+        results = _fault_results.get(category, [])
+        if results:
+            terminalreporter.write_line(f"{category}: {sum(results)} passed, {len(results) - sum(results)} failed")

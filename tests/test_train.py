@@ -183,3 +183,14 @@ def test_unreachable_tracking_server_fails_before_any_training(tmp_path, vocab_d
     assert result.returncode == 1
     assert "is unreachable" in result.stderr and "MLFLOW_TRACKING_URI" in result.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_rerunning_a_finished_training_changes_nothing(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 2, "train.max_steps": 5})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    before = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")]
+    epochs = (tmp_path / "reports" / "train_epochs.tsv").read_text()
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    assert "resuming from" in result.stderr
+    assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")] == before
+    assert (tmp_path / "reports" / "train_epochs.tsv").read_text() == epochs

@@ -200,7 +200,8 @@ class _Loop:
                 break
             pr.epoch, pr.step_in_epoch = pr.epoch + 1, 0
             self._end_of_epoch()
-        if pr.step_in_epoch:  # stopped by max_steps inside an epoch
+        finished_here = pr.epochs and pr.epochs[-1]["step"] == pr.step  # a rerun of a finished run adds nothing
+        if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._end_of_epoch(partial=True)
         return self._write_reports()
 

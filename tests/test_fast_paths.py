@@ -1,0 +1,63 @@
+"""Guards for the fast paths (structure, not timing): a refactor that loses one fails here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from transformer import train as train_module
+from transformer.config import params_from_dict
+from transformer.loss import token_loss
+from transformer.model import make_model
+from transformer.search import beam_search, greedy
+from conftest import tiny_params
+
+
+def _model(N: int = 2):
+    torch.manual_seed(0)
+    return make_model(20, 20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True).eval()
+
+
+def _src():
+    src = torch.randint(4, 20, (3, 6))
+    src[0, 4:] = 2  # padding
+    return src
+
+
+def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
+    calls = []
+    original = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or original(*a, **k))
+    model = _model(N=2)
+    model(_src(), torch.randint(4, 20, (3, 5)))
+    assert len(calls) == 3 * 2  # encoder self, decoder self, decoder-source, per layer
+    assert sum(bool(k.get("is_causal")) for k in calls) == 2  # decoder self-attention: causal, no mask tensor
+
+
+def test_generator_projects_only_non_pad_positions():
+    model = _model()
+    rows = []
+    model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
+    tgt_out = torch.tensor([[5, 6, 1, 2, 2], [7, 1, 2, 2, 2], [5, 6, 7, 8, 1]])
+    token_loss(model, model(_src(), tgt_out), tgt_out, pad=2, smoothing=0.1)
+    assert rows == [int((tgt_out != 2).sum())]
+
+
+def test_training_batches_by_token_count(monkeypatch, vocab_dir, tmp_path):
+    seen = []
+    original = train_module.token_batches
+    monkeypatch.setattr(train_module, "token_batches", lambda *a: seen.append(a[2]) or original(*a))
+    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2}))
+    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    assert params.train.max_tokens in seen
+
+
+def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
+    model = _model()
+    lengths = []
+    model.decoder.layers[0].self_attn.register_forward_hook(lambda module, inputs, output: lengths.append(inputs[0].shape[1]))
+    max_len = torch.tensor([8, 8, 8])
+    for search in (lambda: greedy(model, _src(), max_len, 0, 1), lambda: beam_search(model, _src(), 3, 0.6, max_len, 0, 1)):
+        lengths.clear()
+        search()
+        assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"

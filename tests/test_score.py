@@ -92,3 +92,18 @@ def test_markdown_report_rows_have_as_many_cells_as_the_header():
 
 def test_markdown_report_without_scores_says_so():
     assert "(no scores)" in markdown_report({}, {"model": "m.pt"})
+
+
+def test_a_metric_without_a_value_is_null_not_nan(monkeypatch):
+    import sacrebleu
+
+    real = sacrebleu.TER.corpus_score
+
+    def nan_score(self, hyps, refs):
+        result = real(self, hyps, refs)
+        result.score = float("nan")
+        return result
+
+    monkeypatch.setattr(sacrebleu.TER, "corpus_score", nan_score)
+    scores = score_lines(["a b c"], ["a b c"], "en", ("bleu", "ter"))
+    assert scores["ter"] is None and scores["bleu"] == 100.0

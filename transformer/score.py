@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ def score_lines(hyps: list[str], refs: list[str], lang: str, metrics: tuple[str,
             metric = {"bleu": sacrebleu.BLEU, "chrf": sacrebleu.CHRF, "ter": sacrebleu.TER}[name]()
             h, r = hyps, refs
         result = metric.corpus_score(h, [r])
-        out[name] = round(result.score, 2)
+        out[name] = round(result.score, 2) if math.isfinite(result.score) else None  # JSON metrics: null, never NaN
         out[f"{name}_signature"] = str(metric.get_signature()) + ("|lc+moses" if name == "bleu_tok_lc" else "")
     return out
 

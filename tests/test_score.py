@@ -105,5 +105,6 @@ def test_a_metric_without_a_value_is_null_not_nan(monkeypatch):
         return result
 
     monkeypatch.setattr(sacrebleu.TER, "corpus_score", nan_score)
-    scores = score_lines(["a b c"], ["a b c"], "en", ("bleu", "ter"))
+    sentence = "a dog runs across the green field"
+    scores = score_lines([sentence], [sentence], "en", ("bleu", "ter"))
     assert scores["ter"] is None and scores["bleu"] == 100.0

@@ -48,6 +48,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes 0700; outputs get the usual mode
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -1,0 +1,40 @@
+"""Stage figures: attention maps of the first validation sentences, the learning-rate schedule, loss curves."""
+
+from pathlib import Path
+
+import click
+
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+
+
+@click.command()
+@PARAMS
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the averaged model")
+@click.option("--source", required=True, type=click.Path(path_type=Path),
+              help="tokenized source text; its first 3 non-empty sentences are translated greedily and drawn")
+@click.option("--train-reports", required=True, type=click.Path(path_type=Path),
+              help="train's reports directory (train_steps.tsv, train_epochs.tsv)")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="directory of PNG figures")
+@click.option("--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run")
+@stage
+def main(params_path: Path, model_path: Path, source: Path, train_reports: Path, out: Path, track: bool) -> None:
+    from transformer import checkpoints
+    from transformer.figures import draw_figures
+
+    params = load_params(params_path)
+    model = checkpoints.load(model_path)
+    t = params.train
+    paths = draw_figures(model, source, train_reports, out, params.model.d_model, t.factor, t.warmup)
+    click.echo(f"drew {len(paths)} figures into {out}", err=True)
+    if track and model.get("mlflow_run_id"):
+        from transformer.tracking import Tracker
+
+        tracker = Tracker("", run_id=model["mlflow_run_id"])
+        for path in paths:
+            tracker.log_artifact(path, "figures")
+        tracker.end()
+
+
+if __name__ == "__main__":
+    main()

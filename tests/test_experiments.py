@@ -1,0 +1,286 @@
+"""DVC experiments, a DVC remote, a real MLflow tracking server, and the corpus presets end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_pairs
+
+DVC = str(BIN / "dvc")
+GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
+DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures"}
+
+pytestmark = pytest.mark.slow
+
+
+def _ran(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")}
+
+
+def _commit(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(GIT + ["commit", "-qm", message], repo)
+
+
+def _experiments(repo: Path) -> list[dict]:
+    """Every commit and experiment of `dvc exp show --json`, as {name, params, scores} (scores: None until done)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            data = node.get("data")
+            if isinstance(data, dict) and "params" in data:
+                params = ((data.get("params") or {}).get("params.yaml") or {}).get("data") or {}
+                scores = ((data.get("metrics") or {}).get("reports/scores.json") or {}).get("data")
+                found.append({"name": node.get("name"), "rev": node.get("rev"), "params": params, "scores": scores})
+            for value in node.values():
+                walk(value)
+
+    walk(json.loads(run([DVC, "exp", "show", "--json"], repo).stdout))
+    return found
+
+
+def _with_warmup(repo: Path, warmup: int) -> list[dict]:
+    return [e for e in _experiments(repo) if e["params"].get("train", {}).get("warmup") == warmup]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    """The toy project after one `dvc repro`, everything (dvc.lock, reports) committed."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    repo = project_copy(tmp, tiny_params(**{"train.epochs": 2}))
+    run([DVC, "repro"], repo, timeout=600)
+    _commit(repo, "baseline")
+    return repo
+
+
+@pytest.fixture
+def repo(baseline: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "repo"
+    shutil.copytree(baseline, copy, symlinks=True)
+    return copy
+
+
+def test_exp_run_reruns_train_and_downstream_only_and_exp_show_lists_it(repo):
+    out = run([DVC, "exp", "run", "-S", "train.warmup=50"], repo, timeout=300).stdout
+    assert _ran(out) == DOWNSTREAM_OF_TRAIN, out
+    (exp,) = [e for e in _with_warmup(repo, 50) if e["name"]]
+    assert exp["scores"]["test2016"]["bleu"] >= 0 and set(exp["scores"]) == {"val", "test2016"}
+    baselines = _with_warmup(repo, 100)
+    assert baselines and all(b["scores"] != exp["scores"] for b in baselines)
+    changed = run([DVC, "exp", "show", "--only-changed", "--csv"], repo).stdout.splitlines()[0]
+    assert "train.warmup" in changed and "model.d_model" not in changed
+
+
+def test_queued_experiment_runs_after_queue_start(repo):
+    run([DVC, "exp", "run", "--queue", "-S", "train.warmup=60"], repo)
+    assert not [e for e in _with_warmup(repo, 60) if e["scores"]]  # queued, not run
+    run([DVC, "queue", "start"], repo)
+    try:
+        deadline = time.monotonic() + 240
+        while not [e for e in _with_warmup(repo, 60) if e["scores"]]:
+            status = run([DVC, "queue", "status"], repo, check=False).stdout
+            assert "Failed" not in status, status
+            assert time.monotonic() < deadline, f"queued experiment not done in 240 s:\n{status}"
+            time.sleep(5)
+    finally:
+        run([DVC, "queue", "stop"], repo, check=False)
+    (exp,) = [e for e in _with_warmup(repo, 60) if e["scores"]]
+    assert set(exp["scores"]) == {"val", "test2016"}
+
+
+def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
+    from mlflow.tracking import MlflowClient
+
+    out = run([DVC, "exp", "run", "--temp", "-S", "train.warmup=70"], repo, timeout=300)
+    assert _ran(out.stdout) == DOWNSTREAM_OF_TRAIN, out.stdout
+    assert [e for e in _with_warmup(repo, 70) if e["scores"]]
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
+    (mlflow_run,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
+    assert mlflow_run.data.tags.get("dvc_exp_name") and mlflow_run.data.tags["dvc_exp_name"] in out.stdout + out.stderr
+    assert mlflow_run.data.metrics["test2016_bleu"] >= 0
+    assert {"model", "translations", "figures"} <= {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
+
+
+def test_pushed_model_is_pulled_into_a_fresh_clone_without_retraining(repo, tmp_path):
+    run([DVC, "remote", "add", "-d", "local", str(tmp_path / "remote")], repo)
+    _commit(repo, "remote")
+    run([DVC, "push"], repo)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    assert not (clone / "data/model/model.pt").exists()
+    run([DVC, "pull"], clone)
+    digest = [hashlib.sha256((r / "data/model/model.pt").read_bytes()).hexdigest() for r in (repo, clone)]
+    assert digest[0] == digest[1]
+    assert "up to date" in run([DVC, "status"], clone).stdout
+    assert not _ran(run([DVC, "repro"], clone).stdout)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on a free loopback port, artifacts served (uploaded through the server)."""
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "mlflow-server.log", "w")
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--serve-artifacts", "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+        env=os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer /health in 90 s"
+            time.sleep(1)
+        yield uri, tmp_path / "server-artifacts"
+    finally:
+        log.close()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(15)
+
+
+def _api(uri: str, endpoint: str, body: dict | None = None, **query) -> dict:
+    url = f"{uri}/api/2.0/mlflow/{endpoint}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
+    uri, artifacts_dir = mlflow_server
+    repo = project_copy(tmp_path, tiny_params(**{"train.epochs": 2}))
+    run([DVC, "repro"], repo, timeout=600, env={"MLFLOW_TRACKING_URI": uri})
+    assert not (repo / "mlflow.db").exists()
+
+    experiments = _api(uri, "experiments/search", {"max_results": 100})["experiments"]
+    (experiment,) = [e for e in experiments if e["name"] == "toy-de-en"]
+    (found,) = _api(uri, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+    run_id = found["info"]["run_id"]
+    params = {p["key"]: p["value"] for p in found["data"]["params"]}
+    metrics = {m["key"]: m["value"] for m in found["data"]["metrics"]}
+    assert params["model.d_model"] == "32" and params["train.warmup"] == "100"
+    assert metrics["test2016_bleu"] >= 0 and "val_loss" in metrics
+    loss = _api(uri, "metrics/get-history", run_id=run_id, metric_key="loss", max_results=10000)["metrics"]
+    val_loss = _api(uri, "metrics/get-history", run_id=run_id, metric_key="val_loss")["metrics"]
+    assert len(loss) > 20 and len(val_loss) == 2
+    listed = {f["path"] for f in _api(uri, "artifacts/list", run_id=run_id).get("files", [])}
+    assert {"model", "translations", "figures", "vocab"} <= listed
+    figures = {f["path"] for f in _api(uri, "artifacts/list", run_id=run_id, path="figures")["files"]}
+    assert "figures/lr_schedule.png" in figures
+    stored = {p.name for p in artifacts_dir.rglob("*") if p.is_file()}  # went through the server, into its store
+    assert {"model.pt", "test2016.txt", "lr_schedule.png"} <= stored
+
+
+def _tgz(path: Path, members: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _xml(lines: list[str], tag: str) -> str:
+    """IWSLT/WMT-style SGML: only the <seg> lines are text."""
+    segs = "".join(f'<seg id="{i}"> {line} </seg>\n' for i, line in enumerate(lines, 1))
+    return f'<{tag} setid="x" srclang="any">\n<doc docid="1" genre="news">\n<p>\n{segs}</p>\n</doc>\n</{tag}>\n'
+
+
+def _iwslt14_mirror(mirror: Path) -> None:
+    """de-en.tgz as fairseq's prepare-iwslt14.sh finds it, with toy sentences."""
+    members = {}
+    train = toy_pairs(1200, 0)
+    for side, lang in enumerate(("de", "en")):
+        lines = []
+        for talk in range(0, len(train), 300):
+            lines += [f"<url>http://www.ted.com/talks/talk{talk}.html</url>", f"<talkid>{talk}</talkid>",
+                      "<keywords>talks, toys</keywords>", f"<title>Talk {talk}</title>"]
+            lines += [pair[side] for pair in train[talk:talk + 300]]
+        members[f"de-en/train.tags.de-en.{lang}"] = "\n".join(lines) + "\n"
+        for seed, name in enumerate(("TED.dev2010", "TED.tst2010", "TED.tst2011", "TED.tst2012", "TEDX.dev2012"), 1):
+            members[f"de-en/IWSLT14.{name}.de-en.{lang}.xml"] = _xml([p[side] for p in toy_pairs(15, seed)], "refset")
+    _tgz(mirror / "iwslt14" / "de-en.tgz", members)
+
+
+def _wmt14_mirror(mirror: Path) -> None:
+    """The five WMT14 archives of the registry, with toy sentences."""
+    train = toy_pairs(1200, 0)
+    parts = {"training-parallel-europarl-v7.tgz": "training/europarl-v7.de-en",
+             "training-parallel-commoncrawl.tgz": "commoncrawl.de-en",
+             "training-parallel-nc-v9.tgz": "training/news-commentary-v9.de-en"}
+    for i, (archive, stem) in enumerate(parts.items()):
+        chunk = train[i * 400:(i + 1) * 400]
+        _tgz(mirror / "wmt14" / archive, {f"{stem}.{lang}": "".join(p[side] + "\n" for p in chunk)
+                                          for side, lang in enumerate(("de", "en"))})
+    dev, test = toy_pairs(40, 1), toy_pairs(40, 2)
+    _tgz(mirror / "wmt14" / "dev.tgz", {f"dev/newstest2013.{lang}": "".join(p[side] + "\n" for p in dev)
+                                        for side, lang in enumerate(("de", "en"))})
+    _tgz(mirror / "wmt14" / "test-full.tgz", {f"test-full/newstest2014-deen-src.{lang}.sgm":
+                                              _xml([p[side] for p in test], "srcset") for side, lang in enumerate(("de", "en"))})
+
+
+def _shrunk(preset: str) -> dict:
+    """A preset with the toy sizes: everything else (corpus, direction, test sets, averaging) as shipped."""
+    params = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())
+    params["vocab"].update(size=120)
+    params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
+    params["train"].update(nproc=1, max_tokens=400, accum=1, epochs=2, warmup=100, factor=1.0, save_every=10,
+                           max_steps=60, precision="fp32")
+    params["decode"].update(max_len_extra=10)
+    return params
+
+
+@pytest.mark.parametrize("preset, build_mirror, testsets", [
+    ("iwslt14_de_en", _iwslt14_mirror, {"val", "test"}),
+    ("wmt14_en_de_base", _wmt14_mirror, {"val", "test2014"}),
+])
+def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, build_mirror, testsets):
+    build_mirror(tmp_path / "mirror")
+    repo = project_copy(tmp_path, _shrunk(preset))
+    result = run([DVC, "repro"], repo, timeout=600, env={"TRANSFORMER_DATA_MIRROR": str(tmp_path / "mirror")})
+    assert "sha256 not pinned" in result.stderr + result.stdout
+    scores = json.loads((repo / "reports/scores.json").read_text())
+    assert set(scores) == testsets
+    assert all(0 <= s["bleu"] <= 100 for s in scores.values())
+    data = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())["data"]
+    test = sorted(testsets - {"val"})[0]
+    raw = repo / "data/raw"
+    assert len((raw / f"train.{data['src_lang']}").read_text().splitlines()) == 1200  # tags dropped, archives joined
+    assert "<" not in (raw / f"{test}.{data['tgt_lang']}").read_text()  # only the <seg> text
+    translations = (repo / f"data/translations/{test}.txt").read_text().splitlines()
+    assert len(translations) == (60 if preset.startswith("iwslt") else 40)
+    assert len(list((repo / "reports/figures").glob("*.png"))) == 11

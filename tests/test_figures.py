@@ -1,0 +1,105 @@
+"""Figures: attention maps are per-sentence distributions, schedules peak at their warmup, PNGs are reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, run
+from transformer import checkpoints
+from transformer.config import Params
+from transformer.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
+from transformer.io import DataError
+from transformer.model import make_model
+from transformer.vocab import PAD, SPECIALS, WordVocab
+
+WORDS = ["kan", "pen", "bin", "don", "."]
+
+
+def _tiny(h: int = 2):
+    torch.manual_seed(0)
+    vocab = WordVocab(list(SPECIALS) + WORDS)
+    config = {"src_vocab": len(vocab), "tgt_vocab": len(vocab), "N": 1, "d_model": 16, "d_ff": 32, "h": h,
+              "dropout": 0.0, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    return make_model(**config), vocab, config
+
+
+def _checkpoint(tmp_path):
+    model, vocab, config = _tiny()
+    params = Params().to_dict()
+    params["decode"]["max_len_extra"] = 4
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "train_steps.tsv").write_text("step\tloss\tlr\ttokens_per_s\n" + "".join(
+        f"{s}\t{5 - s / 10}\t{s * 1e-4}\t1000\n" for s in range(1, 31)))
+    (reports / "train_epochs.tsv").write_text("epoch\tstep\ttrain_loss\tval_loss\tval_ppl\n"
+                                              "1\t15\t4\t4.2\t66\n2\t30\t3\t3.4\t30\n")
+    source = tmp_path / "val.de"
+    source.write_text("\nkan pen .\nbin don kan pen .\nbin .\ndon don .\n")  # empty first line: skipped
+    ckpt = {"model": model.state_dict(), "model_config": config, "vocab": {"src": vocab.state(), "tgt": vocab.state()},
+            "params": params, "step": 30}
+    return ckpt, source, reports
+
+
+def test_attention_maps_are_distributions_over_each_sentences_own_tokens():
+    model, vocab, _ = _tiny()
+    maps = attention_maps(model, vocab, vocab, ["kan pen .", "bin don kan pen don ."], max_len_extra=3)
+    assert len(maps) == 2
+    for m in maps:
+        S, T = len(m.src), len(m.outputs)
+        assert m.src[-1] == "</s>" and m.inputs[0] == "<s>" and m.outputs[-1] == "</s>" and len(m.inputs) == T
+        assert m.encoder.shape == (2, S, S) and m.decoder.shape == (2, T, T) and m.source.shape == (2, T, S)
+        for weights in (m.encoder, m.decoder, m.source):  # padding of the longer sentence gets no weight
+            torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        assert torch.all(m.decoder.triu(1) == 0)  # no position looks ahead
+    assert maps[0].src == ["kan", "pen", ".", "</s>"]
+
+
+def test_attention_recording_is_switched_off_afterwards():
+    model, vocab, _ = _tiny()
+    attention_maps(model, vocab, vocab, ["kan pen ."], max_len_extra=2)
+    assert not any(getattr(m, "keep_weights", False) for m in model.modules())
+
+
+def test_schedules_peak_at_their_warmup_and_include_the_params_own():
+    curves = schedule_curves(d_model=512, factor=1.0, warmup=1000, steps=10000)
+    assert set(curves) == {1000, *WARMUPS}
+    for warmup, curve in curves.items():
+        assert curve.index(max(curve)) + 1 == warmup
+
+
+def test_a_ragged_train_report_is_refused_by_file(tmp_path):
+    path = tmp_path / "train_steps.tsv"
+    path.write_text("step\tloss\n1\t2.0\n2\n")
+    with pytest.raises(DataError, match="train_steps.tsv"):
+        read_tsv(path)
+
+
+def test_draw_figures_writes_every_png_and_no_temporary_file(tmp_path):
+    ckpt, source, reports = _checkpoint(tmp_path)
+    drawn = draw_figures(ckpt, source, reports, tmp_path / "figures", d_model=16, factor=1.0, warmup=10)
+    assert [p.name for p in drawn] == sorted(["lr_schedule.png", "loss.png"] + [
+        f"attention_{n}_{kind}.png" for n in (1, 2, 3) for kind in ("encoder", "decoder", "source")])
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_same_data_draws_the_same_bytes(tmp_path):
+    ckpt, source, reports = _checkpoint(tmp_path)
+    steps, epochs = read_tsv(reports / "train_steps.tsv"), read_tsv(reports / "train_epochs.tsv")
+    loss_figure(steps, epochs, tmp_path / "a.png")
+    loss_figure(steps, epochs, tmp_path / "b.png")
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()  # nothing time-dependent in the file
+
+
+@pytest.mark.slow
+def test_figures_stage_draws_and_reports_a_missing_model_in_one_line(tmp_path):
+    ckpt, source, reports = _checkpoint(tmp_path)
+    checkpoints.save(tmp_path / "model.pt", ckpt)
+    cmd = [str(BIN / "python"), str(ROOT / "stages/figures.py"), "--params", str(ROOT / "params.yaml"),
+           "--source", str(source), "--train-reports", str(reports), "--out", str(tmp_path / "figures"), "--no-track"]
+    drawn = run(cmd + ["--model", str(tmp_path / "model.pt")], tmp_path)
+    assert "drew 11 figures" in drawn.stderr and (tmp_path / "figures/lr_schedule.png").exists()
+    failed = run(cmd + ["--model", str(tmp_path / "missing.pt")], tmp_path, check=False)
+    assert failed.returncode == 1 and "error:" in failed.stderr and "missing.pt" in failed.stderr
+    assert "Traceback" not in failed.stderr

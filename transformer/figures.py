@@ -1,0 +1,186 @@
+"""Figures of a trained model: attention maps (as in the paper's Figures 3-5), the learning-rate
+schedule of section 5.3, and the loss curves. matplotlib (Agg) is imported only to draw."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer.io import DataError, atomic_dir, read_lines
+from transformer.model import make_model
+from transformer.schedule import rate
+from transformer.search import greedy
+from transformer.tokenize import JOINER
+from transformer.vocab import BOS, EOS, PAD, BpeVocab, Vocab, vocab_from_state
+
+SENTENCES = 3  # the first non-empty sentences of the source file are drawn
+WARMUPS = (2000, 4000, 8000)  # schedules drawn beside the params' own, for comparison
+PNG = {"dpi": 100, "metadata": {"Software": None}}  # no version stamp: same model, same bytes
+
+
+@dataclass
+class AttentionMaps:
+    """One sentence's last-layer attention weights, one map per head, with the tokens of both axes."""
+
+    src: list[str]  # source tokens, ending with </s>
+    inputs: list[str]  # decoder inputs: <s> and the greedy translation
+    outputs: list[str]  # what each decoder position predicts: the translation and </s>
+    encoder: torch.Tensor  # (h, S, S) encoder self-attention
+    decoder: torch.Tensor  # (h, T, T) decoder self-attention
+    source: torch.Tensor  # (h, T, S) decoder-source attention
+
+
+def labels(vocab: Vocab, ids: list[int]) -> list[str]:
+    """Token strings for axis labels: BPE pieces or words, specials included. The joiner mark
+    becomes ■, which matplotlib's default font can draw."""
+    tokens = [vocab.sp.id_to_piece(i) for i in ids] if isinstance(vocab, BpeVocab) else [vocab.itos[i] for i in ids]
+    return [t.replace(JOINER, "■") for t in tokens]
+
+
+@torch.no_grad()
+def attention_maps(model, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], max_len_extra: int) -> list[AttentionMaps]:
+    """Translates `lines` greedily, then runs the full forward pass on (source, translation)
+    recording the last layers' attention weights."""
+    model.eval()
+    encoded = [src_vocab.encode(line) + [EOS] for line in lines]
+    src = _pad([torch.tensor(e) for e in encoded])
+    max_len = torch.tensor([len(e) + max_len_extra for e in encoded])
+    hyps = greedy(model, src, max_len, BOS, EOS)
+    tgt_in = _pad([torch.tensor([BOS] + h) for h in hyps])
+    layers = (model.encoder.layers[-1].self_attn, model.decoder.layers[-1].self_attn, model.decoder.layers[-1].src_attn)
+    for attention in layers:
+        attention.keep_weights = True
+    try:
+        model(src, tgt_in)
+    finally:
+        for attention in layers:
+            attention.keep_weights = False
+    encoder, decoder, source = (attention.weights for attention in layers)  # (B, h, T, S) each
+    maps = []
+    for i, (e, hyp) in enumerate(zip(encoded, hyps)):
+        S, T = len(e), len(hyp) + 1
+        maps.append(AttentionMaps(labels(src_vocab, e), labels(tgt_vocab, [BOS] + hyp), labels(tgt_vocab, hyp + [EOS]),
+                                  encoder[i, :, :S, :S], decoder[i, :, :T, :T], source[i, :, :T, :S]))
+    return maps
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
+
+
+def schedule_curves(d_model: int, factor: float, warmup: int, steps: int) -> dict[int, list[float]]:
+    """lrate over steps 1..`steps` for the given warmup and each of WARMUPS (same d_model and factor)."""
+    return {w: [rate(s, d_model, factor, w) for s in range(1, steps + 1)] for w in sorted({warmup, *WARMUPS})}
+
+
+def read_tsv(path: Path) -> dict[str, list[float]]:
+    """A train report (header line, then numbers) as columns."""
+    lines = read_lines(path)
+    if not lines:
+        raise DataError(f"{path}: empty report (no header line)")
+    header = lines[0].split("\t")
+    rows = [line.split("\t") for line in lines[1:] if line]
+    try:
+        return {name: [float(row[i]) for row in rows] for i, name in enumerate(header)}
+    except (ValueError, IndexError):
+        raise DataError(f"{path}: a row is not {len(header)} tab-separated numbers") from None
+
+
+def draw_figures(ckpt: dict[str, Any], source: Path, train_reports: Path, out_dir: Path,
+                 d_model: int, factor: float, warmup: int) -> list[Path]:
+    """Writes every figure as a PNG into `out_dir`, built aside and swapped in whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model = make_model(**ckpt["model_config"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise DataError(f"model weights do not fit the model config ({str(e).splitlines()[0]})") from None
+    src_vocab, tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
+    lines = [line for line in read_lines(source) if line.strip()][:SENTENCES]
+    if not lines:
+        raise DataError(f"{source}: no sentence to draw attention for")
+    maps = attention_maps(model, src_vocab, tgt_vocab, lines, ckpt["params"]["decode"]["max_len_extra"])
+    steps, epochs = read_tsv(train_reports / "train_steps.tsv"), read_tsv(train_reports / "train_epochs.tsv")
+    with atomic_dir(out_dir) as tmp:
+        for n, m in enumerate(maps, 1):
+            heatmaps(m.encoder, m.src, m.src, f"encoder self-attention, last layer, sentence {n}",
+                     "key (source)", "query (source)", tmp / f"attention_{n}_encoder.png")
+            heatmaps(m.decoder, m.outputs, m.inputs, f"decoder self-attention, last layer, sentence {n}",
+                     "key (decoder input)", "query (predicting)", tmp / f"attention_{n}_decoder.png")
+            heatmaps(m.source, m.outputs, m.src, f"decoder-source attention, last layer, sentence {n}",
+                     "key (source)", "query (predicting)", tmp / f"attention_{n}_source.png")
+        lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png")
+        loss_figure(steps, epochs, tmp / "loss.png")
+        names = sorted(p.name for p in tmp.iterdir())
+    return [out_dir / name for name in names]
+
+
+def heatmaps(weights: torch.Tensor, rows: list[str], cols: list[str], title: str, xlabel: str, ylabel: str,
+             path: Path) -> None:
+    """One heatmap per head, in a grid of up to 4 columns, tokens on both axes."""
+    from matplotlib.figure import Figure
+
+    h, n = weights.size(0), max(len(rows), len(cols))
+    ncols = min(h, 4)
+    nrows = math.ceil(h / ncols)
+    cell = min(10.0, max(3.0, 0.2 * n))  # inches per head
+    fontsize = max(4.0, min(9.0, 150 / n))
+    fig = Figure(figsize=(ncols * cell + 1, nrows * cell + 0.8), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= h:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(weights[i].float().numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
+        ax.set_title(f"head {i + 1}", fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title)
+    fig.savefig(path, **PNG)
+
+
+def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path) -> None:
+    """Left: the schedule for this warmup beside WARMUPS; right: the rate the training logged, on the formula."""
+    from matplotlib.figure import Figure
+
+    trained = int(max(steps["step"], default=0))
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    span = max(20000, 2 * max(WARMUPS), trained)
+    for w, curve in schedule_curves(d_model, factor, warmup, span).items():
+        mine = w == warmup
+        left.plot(range(1, span + 1), curve, lw=2.2 if mine else 1.2, ls="-" if mine else "--",
+                  label=f"warmup {w}" + (" (params)" if mine else ""))
+    left.set(title=f"lrate = {factor:g} · {d_model}^-0.5 · min(step^-0.5, step · warmup^-1.5)", xlabel="step",
+             ylabel="learning rate")
+    left.legend()
+    if trained:
+        right.plot(steps["step"], steps["lr"], ".", ms=5, color="tab:blue", label="logged by train")
+        right.plot(range(1, trained + 1), [rate(s, d_model, factor, warmup) for s in range(1, trained + 1)],
+                   color="black", lw=0.8, label="formula")
+        right.legend()
+    right.set(title=f"this training ({trained} steps)", xlabel="step", ylabel="learning rate")
+    fig.savefig(path, **PNG)
+
+
+def loss_figure(steps: dict[str, list[float]], epochs: dict[str, list[float]], path: Path) -> None:
+    """Training loss per update; at each epoch end, the mean of the last 200 and the validation NLL."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(steps["step"], steps["loss"], lw=0.8, alpha=0.6, label="train loss, label-smoothed (per update)")
+    ax.plot(epochs["step"], epochs["train_loss"], "o-", label="train loss, label-smoothed (mean of the last 200 updates)")
+    ax.plot(epochs["step"], epochs["val_loss"], "s-", label="validation NLL (epoch end)")
+    ax.set(title="loss per target token", xlabel="step", ylabel="loss (nats)")
+    ax.legend()
+    fig.savefig(path, **PNG)

@@ -92,24 +92,44 @@ def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, voca
     assert float(epochs[-1].split("\t")[3]) < float(epochs[1].split("\t")[3])  # val loss falls
 
 
-def test_killed_training_resumes_to_bit_identical_weights(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 3, "train.save_every": 3, "model.dropout": 0.1})
-    reference = tmp_path / "reference"
-    run([sys.executable] + _train_cmd(params, vocab_dir, reference), ROOT)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One reference run for the kill tests: (params, vocabulary, output directory)."""
+    from conftest import write_toy_corpus
+    from transformer.tokenize import tokenize_corpus
+    from transformer.vocab import build_vocabs
 
+    tmp = tmp_path_factory.mktemp("reference")
+    raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
+    tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
+    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 3, "model.dropout": 0.1})
+    run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT)
+    return params, tmp / "vocab", tmp / "out"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_killed_training_resumes_to_bit_identical_weights(tmp_path, uninterrupted, seed):
+    """SIGKILL at a random point (after a random checkpoint, plus a random delay), then rerun."""
+    import random
+
+    params, vocab, reference = uninterrupted
+    rng = random.Random(seed)
+    after_step, delay = rng.choice([3, 6, 9, 12]), rng.uniform(0.0, 0.3)
     interrupted = tmp_path / "interrupted"
     env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen([sys.executable] + _train_cmd(params, vocab_dir, interrupted), cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable] + _train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(int(p.stem.split("_")[1]) >= 6 for p in checkpoints.listed(interrupted / "ckpt")):
-        time.sleep(0.05)
+    while time.time() < deadline and not any(int(p.stem.split("_")[1]) >= after_step for p in checkpoints.listed(interrupted / "ckpt")):
+        time.sleep(0.02)
+    time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = checkpoints.listed(interrupted / "ckpt")[-1]
     assert done_before.name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
 
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, interrupted), ROOT)
+    result = run([sys.executable] + _train_cmd(params, vocab, interrupted), ROOT)
     assert "resuming from" in result.stderr
     expected, actual = _final_weights(reference), _final_weights(interrupted)
     assert expected.keys() == actual.keys()

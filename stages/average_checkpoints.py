@@ -23,7 +23,7 @@ def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
-        tracker = Tracker("", run_id=model["mlflow_run_id"])
+        tracker = Tracker.attach(model["mlflow_run_id"])
         tracker.log_artifact(out, "model")
         tracker.end()
 

@@ -30,7 +30,7 @@ def main(params_path: Path, model_path: Path, source: Path, train_reports: Path,
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
-        tracker = Tracker("", run_id=model["mlflow_run_id"])
+        tracker = Tracker.attach(model["mlflow_run_id"])
         for path in paths:
             tracker.log_artifact(path, "figures")
         tracker.end()

@@ -20,7 +20,7 @@ from transformer.io import write_json, write_text
 @stage
 def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, table: Path, track: bool) -> None:
     from transformer import checkpoints
-    from transformer.score import markdown_report, score_files
+    from transformer.score import markdown_report, score_files, values
     from transformer.system import describe_model, hardware
 
     params = load_params(params_path)
@@ -29,15 +29,15 @@ def main(params_path: Path, translations: Path, references: Path, model_path: Pa
               for t in params.decode.testsets}
     model = checkpoints.load(model_path)
     meta = describe_model(model) | {"hardware": hardware()}
-    write_json(out, {t: {k: v for k, v in s.items() if not k.endswith("_signature")} for t, s in scores.items()})
+    write_json(out, {t: values(s) for t, s in scores.items()})
     write_text(table, markdown_report(scores, meta))
     for t, s in scores.items():
-        click.echo(f"{t}: " + ", ".join(f"{k} {v}" for k, v in s.items() if not k.endswith("_signature")), err=True)
+        click.echo(f"{t}: " + ", ".join(f"{k} {v}" for k, v in values(s).items()), err=True)
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
-        tracker = Tracker("", run_id=model["mlflow_run_id"])
-        tracker.log_metrics({f"{t}_{k}": v for t, s in scores.items() for k, v in s.items() if not k.endswith("_signature")}, model["step"])
+        tracker = Tracker.attach(model["mlflow_run_id"])
+        tracker.log_metrics({f"{t}_{k}": v for t, s in scores.items() for k, v in values(s).items()}, model["step"])
         for t in scores:
             tracker.log_artifact(translations / f"{t}.txt", "translations")
         tracker.log_artifact(table, "reports")

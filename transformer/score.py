@@ -34,6 +34,11 @@ def score_lines(hyps: list[str], refs: list[str], lang: str, metrics: tuple[str,
     return out
 
 
+def values(scores: dict[str, Any]) -> dict[str, Any]:
+    """The metric values of score_lines' result, without their signatures."""
+    return {k: v for k, v in scores.items() if not k.endswith("_signature")}
+
+
 def score_files(hyp_path: Path, ref_path: Path, lang: str, metrics: tuple[str, ...]) -> dict[str, Any]:
     hyps, refs = read_lines(hyp_path), read_lines(ref_path)
     if len(hyps) != len(refs):
@@ -46,7 +51,7 @@ def markdown_report(scores: dict[str, dict[str, Any]], meta: dict[str, Any]) -> 
     import pandas as pd
 
     rows = [{"test set": testset, "metric": m, "score": s[m], "signature": s[f"{m}_signature"].replace("|", "\\|")}
-            for testset, s in scores.items() for m in s if not m.endswith("_signature")]
+            for testset, s in scores.items() for m in values(s)]
     table = pd.DataFrame(rows).to_markdown(index=False) if rows else "(no scores)"
     lines = ["# Scores", "", table, ""] + [f"- {k}: {v}" for k, v in meta.items()]
     return "\n".join(lines) + "\n"

@@ -67,6 +67,11 @@ class Tracker:
         self._thread = threading.Thread(target=self._drain, daemon=True)
         self._thread.start()
 
+    @classmethod
+    def attach(cls, run_id: str) -> Tracker:
+        """The run a training opened, for the stages after it."""
+        return cls("", run_id=run_id)
+
     def _experiment_id(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:

@@ -21,8 +21,11 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        max_tokens = 3000 (train.max_tokens), fp32.
     d. baseline, seed recipe: 32 sentences padded to a fixed 72 tokens, as the seed trains
        (without its gradient accumulation, which changes the update count, not the speed).
-    e. ours, token batches, bf16: c under torch.autocast("cpu", dtype=torch.bfloat16).
-  The ratio compares a with b (same batches: the model's code alone) and c, e with d (the
+    e. ours, token batches, bf16: c under torch.autocast("cpu", dtype=torch.bfloat16), with the
+       attention kernels training picks for it (transformer.attention.attention_kernels).
+    f. ours, token batches, bf16, torch's default attention kernel (flash on this CPU): what
+       the choice in e buys.
+  The ratio compares a with b (same batches: the model's code alone) and c, e, f with d (the
   project's training recipe against the seed's).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
   sentences of test2016-like lengths: ours greedy and beam 4 (transformer.search, batched by
@@ -48,6 +51,7 @@ processes kept busy meanwhile (from /proc/stat); a warning follows the table abo
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -67,6 +71,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # baseline.py sits beside this script, outside the package
 import baseline  # noqa: E402
 
+from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import DecodeConfig, TrainConfig  # noqa: E402
 from transformer.io import write_json  # noqa: E402
@@ -230,14 +235,16 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
     return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
 
 
-def ours_step(data: Data, size: Size, bf16: bool) -> Step:
-    """One update the way transformer.train does it (loss normalized by target tokens)."""
+def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) -> Step:
+    """One update the way transformer.train does it (loss normalized by target tokens);
+    `default_kernel` leaves the attention backend to torch instead of training's choice."""
     model = ours_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     smoothing = TrainConfig().label_smoothing
+    kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(torch.device("cpu"), bf16))
 
     def step(batch: Batch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
             hidden = model(batch.src, batch.tgt_in)
             loss, _ = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
             (loss / batch.ntokens).backward()
@@ -317,6 +324,7 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("c", "ours, token batches", "ours", "token batches", False),
     ("d", "baseline, seed recipe", "baseline", "seed recipe", False),
     ("e", "ours, token batches, bf16", "ours", "token batches", True),
+    ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
 )
 
 
@@ -324,10 +332,10 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
     batches = training_batches(data.corpus, MAX_BATCHES)
     rows = []
     for key, label, model, kind, bf16 in TRAIN_ROWS:
-        step = ours_step(data, size, bf16) if model == "ours" else baseline_step(data, size)
+        step = baseline_step(data, size) if model == "baseline" else ours_step(data, size, bf16, model == "ours default kernel")
         dtype = "bf16" if bf16 else "fp32"
         rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype]))
-    return compare(rows, {"a": "b", "c": "d", "e": "d"})
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -15,12 +15,13 @@ from transformer.io import write_json, write_text
 @click.option("--references", required=True, type=click.Path(path_type=Path), help="download's output directory")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the model that translated")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="scores JSON (DVC metrics)")
+@click.option("--signatures", "signatures_path", required=True, type=click.Path(path_type=Path), help="JSON sacreBLEU signature per test set and metric")
 @click.option("--table", required=True, type=click.Path(path_type=Path), help="scores Markdown")
 @click.option("--track/--no-track", default=True, show_default=True, help="log into the training's MLflow run")
 @stage
-def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, table: Path, track: bool) -> None:
+def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, signatures_path: Path, table: Path, track: bool) -> None:
     from transformer import checkpoints
-    from transformer.score import markdown_report, score_files, values
+    from transformer.score import markdown_report, score_files, signatures, values
     from transformer.system import describe_model, hardware
 
     params = load_params(params_path)
@@ -30,6 +31,7 @@ def main(params_path: Path, translations: Path, references: Path, model_path: Pa
     model = checkpoints.load(model_path)
     meta = describe_model(model) | {"hardware": hardware()}
     write_json(out, {t: values(s) for t, s in scores.items()})
+    write_json(signatures_path, {t: signatures(s) for t, s in scores.items()})
     write_text(table, markdown_report(scores, meta))
     for t, s in scores.items():
         click.echo(f"{t}: " + ", ".join(f"{k} {v}" for k, v in values(s).items()), err=True)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer import train as train_module
+from transformer.attention import attention_kernels
 from transformer.config import params_from_dict
 from transformer.loss import token_loss
 from transformer.model import make_model
@@ -61,3 +62,16 @@ def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
         lengths.clear()
         search()
         assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"
+
+
+def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, tmp_path):
+    seen = []
+    original = train_module.attention_kernels
+    monkeypatch.setattr(train_module, "attention_kernels", lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16))
+    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
+    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    assert seen and set(seen) == {("cpu", True)}
+    with attention_kernels(torch.device("cpu"), True):
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    with attention_kernels(torch.device("cpu"), False):
+        assert torch.backends.cuda.flash_sdp_enabled()  # fp32: torch's own choice (flash)

@@ -20,13 +20,14 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     repo = project_copy(tmp_path, tiny_params())
     first = run([DVC, "repro"], repo, timeout=600)
     for stage in ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val",
-                  "decode@test2016", "score"):
+                  "decode@test2016", "score", "report"):
         assert f"Running stage '{stage}'" in first.stdout
     scores = json.loads((repo / "reports/scores.json").read_text())
     assert set(scores) == {"val", "test2016"}
     assert scores["test2016"]["bleu"] > 80, scores  # the toy translation is learnable
     assert (repo / "data/translations/test2016.txt").read_text().count("\n") == 60
     assert "tok:13a" in (repo / "reports/scores.md").read_text()
+    _assert_report_has_every_stage_and_score(repo, scores)
 
     translated = run([str(BIN / "transformer"), "translate", "--model", "data/model/model.pt", "--beam", "1"], repo,
                      input_text="kan pen.\n\nbin don.\n")
@@ -42,10 +43,22 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     downstream = run([DVC, "repro"], repo)
     ran = {line.split("'")[1] for line in downstream.stdout.splitlines() if line.startswith("Running stage")}
-    assert ran == {"decode@val", "decode@test2016", "score"}
+    assert ran == {"decode@val", "decode@test2016", "score", "report"}
 
     shown = run([DVC, "metrics", "show"], repo).stdout
     assert "reports/scores.json" in shown and "test2016.bleu" in shown
+
+
+def _assert_report_has_every_stage_and_score(repo, scores):
+    report = (repo / "reports/reproduction.md").read_text()
+    assert report.count("<!-- begin toy de-en -->") == 1
+    timed = {p.stem for p in (repo / "data/timings").glob("*.json")}
+    assert timed == {"download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val", "decode@test2016",
+                     "score", "figures"}
+    for stage in timed:
+        assert f"| {stage} |" in report
+    assert f"| toy | de→en | test2016 | {scores['test2016']['bleu']} |" in report  # the headline row
+    assert "nrefs:1|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
 
 
 def _assert_mlflow_run_has_curves_and_scores(repo):
@@ -61,6 +74,7 @@ def _assert_mlflow_run_has_curves_and_scores(repo):
     assert run_.data.tags["direction"] == "de-en"
     artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert {"model", "translations", "reports", "vocab", "checkpoints"} <= artifacts
+    assert "reproduction.md" in {a.path.split("/")[-1] for a in client.list_artifacts(run_.info.run_id, "reports")}
 
 
 @pytest.mark.slow

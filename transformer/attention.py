@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    """The scaled_dot_product_attention backends to train with.
+
+    On CPU under bf16 autocast, torch's flash kernel is slower than the plain math one at
+    Multi30k's lengths (bench/bench.py, row "bf16, flash kernel": about 20% fewer tokens/s),
+    so CPU bf16 training takes the math kernel; everywhere else torch picks (flash on GPUs)."""
+    if device.type == "cpu" and bf16:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 class MultiHeadAttention(nn.Module):

@@ -65,6 +65,16 @@ def write_json(path: Path | str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
+def read_json(path: Path | str) -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+
+
 def write_lines(path: Path | str, lines: list[str]) -> None:
     write_text(path, "".join(line + "\n" for line in lines))
 

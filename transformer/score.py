@@ -39,6 +39,11 @@ def values(scores: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in scores.items() if not k.endswith("_signature")}
 
 
+def signatures(scores: dict[str, Any]) -> dict[str, str]:
+    """{metric: sacreBLEU signature} of score_lines' result."""
+    return {k.removesuffix("_signature"): v for k, v in scores.items() if k.endswith("_signature")}
+
+
 def score_files(hyp_path: Path, ref_path: Path, lang: str, metrics: tuple[str, ...]) -> dict[str, Any]:
     hyps, refs = read_lines(hyp_path), read_lines(ref_path)
     if len(hyps) != len(refs):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from transformer import checkpoints
+from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, token_batches, epoch_steps
 from transformer.config import Params, flatten
 from transformer.download import sha256_file
@@ -239,7 +240,7 @@ class _Loop:
             batch = self.corpus.batch(index).to(env.device)
             last = i == len(mine) - 1
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
-            with sync, torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with sync, self.autocast():
                 hidden = self.step_model(batch.src, batch.tgt_in)
                 loss, _ = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing)
                 (loss * (env.world / total)).backward()
@@ -251,6 +252,13 @@ class _Loop:
         self.tick_tokens += mine_tokens
         pr.step += 1
         pr.step_in_epoch += 1
+
+    def autocast(self) -> contextlib.ExitStack:
+        """bf16 autocast where enabled, with the attention kernels that suit it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.bf16))
+        stack.enter_context(attention_kernels(self.env.device, self.bf16))
+        return stack
 
     def _sync(self) -> dict[str, str]:
         """The one host sync of the loop: checks losses, records and reports them."""
@@ -283,7 +291,7 @@ class _Loop:
         nll, tokens = 0.0, 0
         for index in token_batches(self.valid.src_lens, self.valid.tgt_lens, self.p.max_tokens, 0):
             batch = self.valid.batch(index).to(self.env.device)
-            with torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with self.autocast():
                 _, batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
             nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
         return nll / tokens, math.exp(min(nll / tokens, 50))

@@ -1,0 +1,46 @@
+"""Stage report: this run's section of reports/reproduction.md (scores beside published ones)."""
+
+from pathlib import Path
+
+import click
+
+from transformer.cli import PARAMS, stage
+from transformer.config import load_params
+from transformer.io import read_json, write_text
+
+
+@click.command()
+@PARAMS
+@click.option("--scores", required=True, type=click.Path(path_type=Path), help="the score stage's metrics JSON")
+@click.option("--signatures", required=True, type=click.Path(path_type=Path), help="the score stage's sacreBLEU signatures")
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the model that translated")
+@click.option("--timings", required=True, type=click.Path(path_type=Path), help="directory of the stages' --timing files")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="the report; other sections are kept")
+@click.option("--track/--no-track", default=True, show_default=True, help="log this section into the training's MLflow run")
+@stage
+def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, timings: Path, out: Path, track: bool) -> None:
+    from transformer import checkpoints, report
+    from transformer.system import describe_model, hardware
+    from transformer.tracking import git_commit
+
+    params = load_params(params_path)
+    d = params.data
+    model = checkpoints.load(model_path)
+    scored = read_json(scores)
+    scored = {t: scored[t] for t in params.decode.testsets if t in scored}  # in params order
+    body = report.section(params, scored, read_json(signatures), describe_model(model),
+                          report.load_timings(timings), report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
+                          hardware(), git_commit())
+    existing = out.read_text(encoding="utf-8") if out.exists() else ""
+    write_text(out, report.merge(existing, f"{d.corpus} {d.src_lang}-{d.tgt_lang}", body))
+    if track and model.get("mlflow_run_id"):
+        from transformer.tracking import Tracker
+
+        tracker = Tracker.attach(model["mlflow_run_id"])
+        tracker.log_text(body, "reports/reproduction.md")
+        tracker.end()
+    click.echo(f"{out}: section {d.corpus} {d.src_lang}-{d.tgt_lang} written", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""reports/reproduction.md: sections per corpus and direction, scores beside published figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transformer import report
+from transformer.config import params_from_dict
+from transformer.io import DataError, write_json
+from conftest import ROOT, tiny_params
+
+SCORES = {"val": {"bleu": 30.0, "bleu_tok_lc": 31.0, "chrf": 55.0, "ter": 50.0},
+          "test2016": {"bleu": 39.72, "bleu_tok_lc": 39.97, "chrf": 58.37, "ter": 42.47}}
+SIGNATURES = {t: {"bleu": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"} for t in SCORES}
+MODEL = {"model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm", "parameters": "11.7M", "updates": 2610,
+         "training time": "43.4 min", "averaged": "no"}
+ANCHOR = {"testset": "test2016", "metric": "bleu_tok_lc", "bleu": 36.52, "how": "greedy", "source": "a notebook"}
+
+
+def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHOR,)):
+    params = params_from_dict(tiny_params(**{"data.corpus": corpus, "data.src_lang": src, "data.tgt_lang": tgt}))
+    timings = timings if timings is not None else {"download": {"wall_s": 2.0, "finished": "t0"}, "train": {"wall_s": 118.0, "finished": "t1"}}
+    return report.section(params, SCORES, SIGNATURES, MODEL, timings, list(anchors), "2 CPU cores", "abc123")
+
+
+def test_section_sets_ours_beside_the_published_figure_in_its_metric():
+    text = _section()
+    assert "| multi30k | de→en | test2016 | 39.72 | 39.97 | 58.37 | 42.47 | 36.52 BLEU tok-lc | 2.0 min |" in text
+    assert "| test2016 | BLEU tok-lc | 36.52 | 39.97 | +3.45 | greedy | a notebook |" in text
+    assert "`nrefs:1\\|case:mixed\\|eff:no\\|tok:13a\\|smooth:exp\\|version:2.6.0`" in text  # escaped inside the table
+    assert "| **total** | **2.0 min** |" in text and "git commit abc123" in text
+
+
+def test_section_without_an_anchor_says_so():
+    text = _section(corpus="toy", anchors=())
+    assert "| none |" in text and "No published figure is on record" in text
+
+
+def test_merge_rewrites_its_own_section_and_keeps_the_others():
+    de_en = report.merge("", "multi30k de-en", _section())
+    both = report.merge(de_en, "multi30k en-de", _section(src="en", tgt="de"))
+    rewritten = report.merge(both, "multi30k de-en", _section(timings={"train": {"wall_s": 30.0, "finished": "t2"}}))
+    assert rewritten.startswith(report.TITLE)
+    assert rewritten.count("<!-- begin multi30k de-en -->") == rewritten.count("<!-- begin multi30k en-de -->") == 1
+    de_en_part = rewritten.split("<!-- begin multi30k de-en -->")[1].split("<!-- end multi30k de-en -->")[0]
+    assert "| train | 30.0 s | t2 |" in de_en_part and "118" not in de_en_part
+    assert "en→de" in rewritten.split("<!-- begin multi30k en-de -->")[1]
+
+
+def test_timings_come_in_pipeline_order(tmp_path):
+    for name in ("score", "decode@val", "download", "train"):
+        write_json(tmp_path / f"{name}.json", {"wall_s": 1.0, "finished": "t"})
+    assert list(report.load_timings(tmp_path)) == ["download", "train", "decode@val", "score"]
+
+
+def test_a_broken_timing_file_is_named(tmp_path):
+    (tmp_path / "train.json").write_text("{not json")
+    with pytest.raises(DataError, match="train.json"):
+        report.load_timings(tmp_path)
+
+
+def test_every_multi30k_direction_has_an_anchor():
+    for src, tgt in (("de", "en"), ("en", "de")):
+        anchors = report.load_anchors("multi30k", src, tgt)
+        assert anchors and all(a["metric"] in report.METRIC_NAMES for a in anchors)
+
+
+def test_readme_results_are_copied_from_the_report():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines() if line.startswith("| multi30k")]
+    committed = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8").splitlines()
+    assert rows and all(row in committed for row in rows)
+
+
+def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch):
+    import click
+    from click.testing import CliRunner
+
+    from transformer.cli import stage
+
+    @click.command()
+    @stage
+    def command() -> None:
+        pass
+
+    runner = CliRunner()
+    monkeypatch.setenv("RANK", "1")
+    assert runner.invoke(command, ["--timing", str(tmp_path / "t.json")]).exit_code == 0
+    assert not (tmp_path / "t.json").exists()  # only the first process writes
+    monkeypatch.setenv("RANK", "0")
+    assert runner.invoke(command, ["--timing", str(tmp_path / "t.json")]).exit_code == 0
+    timing = report.load_timings(tmp_path)["t"]
+    assert timing["wall_s"] > 0 and timing["finished"].endswith("+00:00")  # since the process started: pytest's age here

@@ -1,0 +1,129 @@
+"""reports/reproduction.md: our scores beside the published ones, with what produced them.
+
+The file holds one section per corpus and direction. A run rewrites its own section and
+keeps the others, so the de→en and en→de runs (and any other corpus) share one report."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+from transformer.config import Params
+from transformer.io import read_json
+
+ANCHORS = Path(__file__).with_name("anchors.yaml")
+METRIC_NAMES = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}
+STAGE_ORDER = ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode", "score", "figures")
+TITLE = """# Reproduction report
+
+Written by the pipeline (`dvc repro`, stage `report`: stages/report.py); never edit it by hand.
+Each corpus and direction has a section, rewritten by the latest run of that corpus and
+direction; its first table is the row the README's results table copies.
+"""
+
+
+def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[dict[str, Any]]:
+    import yaml
+
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get(corpus, {}).get(f"{src}-{tgt}", [])
+
+
+def load_timings(directory: Path) -> dict[str, dict[str, Any]]:
+    """{stage: {wall_s, finished}} from the stages' --timing files, in pipeline order."""
+    found = {p.stem: read_json(p) for p in directory.glob("*.json")} if directory.is_dir() else {}
+    return dict(sorted(found.items(), key=lambda kv: (_stage_rank(kv[0]), kv[0])))
+
+
+def _stage_rank(name: str) -> int:
+    base = name.split("@", 1)[0]
+    return STAGE_ORDER.index(base) if base in STAGE_ORDER else len(STAGE_ORDER)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
+def headline(params: Params, scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
+             timings: dict[str, dict[str, Any]]) -> list[str]:
+    """The one-row summary: the anchors' test set (else the last one), every metric, the pipeline's time."""
+    d = params.data
+    named = [a["testset"] for a in anchors if a["testset"] in scores]
+    testset = named[0] if named else list(scores)[-1]
+    s = scores[testset]
+    published = ", ".join(f"{a['bleu']} {METRIC_NAMES.get(a['metric'], a['metric'])}" for a in anchors
+                          if a["testset"] == testset) or "none"
+    total = sum(t["wall_s"] for t in timings.values())
+    row = [d.corpus, f"{d.src_lang}→{d.tgt_lang}", testset] + [s.get(m, "-") for m in METRIC_NAMES] + [published, _minutes(total)]
+    return _table(["corpus", "direction", "test set", *METRIC_NAMES.values(), "published", "pipeline wall time"], [row])
+
+
+def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for a in anchors:
+        ours = scores.get(a["testset"], {}).get(a["metric"])
+        diff = f"{ours - a['bleu']:+.2f}" if isinstance(ours, (int, float)) else "-"
+        rows.append([a["testset"], METRIC_NAMES.get(a["metric"], a["metric"]), a["bleu"], ours if ours is not None else "-",
+                     diff, a["how"], a["source"]])
+    if not rows:
+        return ["No published figure is on record for this corpus and direction (transformer/anchors.yaml)."]
+    return _table(["test set", "metric", "published", "ours", "ours − published", "how the published figure was obtained",
+                   "source"], rows)
+
+
+def score_table(scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]]) -> list[str]:
+    rows = [[t, METRIC_NAMES.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"] for t, s in scores.items() for m, v in s.items()]
+    return _table(["test set", "metric", "score", "sacreBLEU signature"], rows)
+
+
+def recipe(params: Params, model: dict[str, Any]) -> list[str]:
+    """The params that decide the score, and the model's size."""
+    p, t = params, params.train
+    vocab = f"joint BPE {p.vocab.size}" if p.vocab.kind == "bpe" else f"word, min_freq {p.vocab.min_freq}"
+    rows = [["model", f"{model['model']}, dropout {p.model.dropout}, {'tied' if p.model.tie_embeddings else 'separate'} embeddings"],
+            ["parameters", model["parameters"]],
+            ["vocabulary", vocab],
+            ["batches", f"{t.max_tokens} tokens × {t.nproc} processes × {t.nnodes} nodes × accum {t.accum}"],
+            ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"],
+            ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
+            ["precision, seed", f"{t.precision}, seed {t.seed}"],
+            ["averaged", f"last {p.average.last_k} checkpoints"],
+            ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
+            ["training time", model["training time"]]]
+    return _table(["", ""], rows)
+
+
+def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [[name, _minutes(t["wall_s"]), t["finished"]] for name, t in timings.items()]
+    rows.append(["**total**", f"**{_minutes(sum(t['wall_s'] for t in timings.values()))}**", ""])
+    return _table(["stage", "wall time", "finished (UTC)"], rows)
+
+
+def section(params: Params, scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]],
+            model: dict[str, Any], timings: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
+            hardware: str, commit: str | None) -> str:
+    d = params.data
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    parts = [f"## {d.corpus} {d.src_lang}→{d.tgt_lang}", "", *headline(params, scores, anchors, timings), "",
+             "Beside the published figures, each in the metric it was published with:", "", *comparison(scores, anchors), "",
+             "All scores:", "", *score_table(scores, signatures), "",
+             "Recipe:", "", *recipe(params, model), "",
+             "Wall time per stage (each stage's process, start-up included; DVC's own bookkeeping between stages is not):",
+             "", *timing_table(timings), "",
+             f"Hardware: {hardware}. Code: git commit {commit or 'unknown'}. Written {now}."]
+    return "\n".join(parts) + "\n"
+
+
+def merge(existing: str, key: str, body: str) -> str:
+    """The report with `key`'s section replaced by `body` (added if new); sections sorted by key."""
+    sections = {}
+    for chunk in existing.split("<!-- begin ")[1:]:
+        name, rest = chunk.split(" -->\n", 1)
+        sections[name] = rest.split(f"<!-- end {name} -->", 1)[0]
+    sections[key] = body
+    return TITLE + "".join(f"\n<!-- begin {k} -->\n{v}<!-- end {k} -->\n" for k, v in sorted(sections.items()))

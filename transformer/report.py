@@ -32,7 +32,7 @@ def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[
 def load_timings(directory: Path) -> dict[str, dict[str, Any]]:
     """{stage: {wall_s, finished}} from the stages' --timing files, in pipeline order."""
     found = {p.stem: read_json(p) for p in directory.glob("*.json")} if directory.is_dir() else {}
-    return dict(sorted(found.items(), key=lambda kv: (_stage_rank(kv[0]), kv[0])))
+    return dict(sorted(found.items(), key=lambda kv: (_stage_rank(kv[0]), kv[1].get("finished", ""), kv[0])))
 
 
 def _stage_rank(name: str) -> int:
@@ -88,7 +88,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
     rows = [["model", f"{model['model']}, dropout {p.model.dropout}, {'tied' if p.model.tie_embeddings else 'separate'} embeddings"],
             ["parameters", model["parameters"]],
             ["vocabulary", vocab],
-            ["batches", f"{t.max_tokens} tokens × {t.nproc} processes × {t.nnodes} nodes × accum {t.accum}"],
+            ["batches", f"{t.max_tokens} tokens × nproc {t.nproc} × nnodes {t.nnodes} × accum {t.accum}"],
             ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],

@@ -23,7 +23,8 @@ from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_p
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
-DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures"}
+DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures",
+                       "report"}
 
 pytestmark = pytest.mark.slow
 

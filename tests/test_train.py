@@ -103,7 +103,8 @@ def uninterrupted(tmp_path_factory):
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
-    params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 3, "model.dropout": 0.1})
+    # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 12 + 0.3 s) several times over
+    params = _write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
     run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT)
     return params, tmp / "vocab", tmp / "out"
 

@@ -15,7 +15,7 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     """The scaled_dot_product_attention backends to train with.
 
     On CPU under bf16 autocast, torch's flash kernel is slower than the plain math one at
-    Multi30k's lengths (bench/bench.py, row "bf16, flash kernel": about 20% fewer tokens/s),
+    Multi30k's lengths (bench/bench.py, row f against row e: 12-20% fewer tokens/s),
     so CPU bf16 training takes the math kernel; everywhere else torch picks (flash on GPUs)."""
     if device.type == "cpu" and bf16:
         return sdpa_kernel(SDPBackend.MATH)

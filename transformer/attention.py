@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer.packing import Packing
+
 
 def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
     """The scaled_dot_product_attention backends to train with.
@@ -26,7 +28,9 @@ class MultiHeadAttention(nn.Module):
     """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels).
 
     Self-attention projects Q, K, V in one matmul; source attention projects K, V of the
-    memory once per sentence and, when decoding incrementally, keeps them in `cache`."""
+    memory once per sentence and, when decoding incrementally, keeps them in `cache`.
+    With a `packing` (of x) or a `memory_packing`, that input comes packed, (n, d_model):
+    its projections run on the real tokens and are laid out per sentence to attend."""
 
     def __init__(self, d_model: int, h: int, self_attention: bool):
         super().__init__()
@@ -44,25 +48,28 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor | None = None, mask: torch.Tensor | None = None,
         causal: bool = False, cache: dict[str, torch.Tensor] | None = None,
+        packing: Packing | None = None, memory_packing: Packing | None = None,
     ) -> torch.Tensor:
         if self.self_attention:
-            q, k, v = self._heads(self.qkv(x), 3)  # (B, h, T, d_k) each
+            q, k, v = self._heads(self.qkv(x), 3, packing)  # (B, h, T, d_k) each
             if cache is not None:  # incremental decoding: append this step's keys and values
                 if "k" in cache:
                     k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
                 cache["k"], cache["v"] = k, v
         else:
-            (q,) = self._heads(self.q(x), 1)
+            (q,) = self._heads(self.q(x), 1, packing)
             if cache is not None and "k" in cache:
                 k, v = cache["k"], cache["v"]
             else:
-                k, v = self._heads(self.kv(memory), 2)
+                k, v = self._heads(self.kv(memory), 2, memory_packing)
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
-        y = self._attend(q, k, v, mask, causal)  # (B, h, T, d_k)
-        return self.out(y.transpose(1, 2).flatten(2))  # (B, T, d_model)
+        y = self._attend(q, k, v, mask, causal).transpose(1, 2).flatten(2)  # (B, T, d_model)
+        return self.out(y if packing is None else packing.pack(y))  # like x
 
-    def _heads(self, projected: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    def _heads(self, projected: torch.Tensor, n: int, packing: Packing | None) -> tuple[torch.Tensor, ...]:
+        if packing is not None:
+            projected = packing.unpack(projected)  # (B, T, n * d_model)
         B, T, _ = projected.shape
         return projected.view(B, T, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
 

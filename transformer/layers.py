@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from transformer.attention import MultiHeadAttention
+from transformer.packing import Packing
 
 Cache = dict[str, torch.Tensor]
 
@@ -44,8 +45,8 @@ class EncoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        x = self.sublayers[0](x, lambda y: self.self_attn(y, mask=src_mask))
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, mask=src_mask, packing=packing))
         return self.sublayers[1](x, self.ff)
 
 
@@ -57,13 +58,15 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(3))
 
-    def forward(self, x, memory, src_mask, cache: tuple[Cache, Cache] | None = None) -> torch.Tensor:
+    def forward(self, x, memory, src_mask, cache: tuple[Cache, Cache] | None = None,
+                packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
         # Right-padded targets need no padding mask here: a real query never sees a later
         # (pad) key through the causal mask. When decoding one step at a time, nothing is later.
         self_cache, src_cache = cache if cache is not None else (None, None)
         causal = cache is None
-        x = self.sublayers[0](x, lambda y: self.self_attn(y, causal=causal, cache=self_cache))
-        x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=src_cache))
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, causal=causal, cache=self_cache, packing=packing))
+        x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=src_cache, packing=packing,
+                                                         memory_packing=memory_packing))
         return self.sublayers[2](x, self.ff)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.layers import DecoderLayer, EncoderLayer, Stack
+from transformer.packing import Packing
 
 
 @dataclass
@@ -44,23 +45,32 @@ class Transformer(nn.Module):
     def src_mask(self, src: torch.Tensor) -> torch.Tensor:
         return (src != self.pad)[:, None, None, :]  # (B, 1, 1, S): True where a key may be attended
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(self.position(self.src_embed(src)))  # (B, S, d_model)
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        """Memory (B, S, d_model), or (n, d_model) with a packing of src."""
+        x = self.position(self.src_embed(src))  # (B, S, d_model)
+        x = self.dropout(x if packing is None else packing.pack(x))
         for layer in self.encoder.layers:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, packing)
         return self.encoder.norm(x)
 
-    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-               caches: list | None = None, start: int = 0) -> torch.Tensor:
-        x = self.dropout(self.position(self.tgt_embed(tgt), start))  # (B, T, d_model)
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, caches: list | None = None,
+               start: int = 0, packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+        """States (B, T, d_model), or (n, d_model) with a packing of tgt."""
+        x = self.position(self.tgt_embed(tgt), start)  # (B, T, d_model)
+        x = self.dropout(x if packing is None else packing.pack(x))
         for i, layer in enumerate(self.decoder.layers):
-            x = layer(x, memory, src_mask, None if caches is None else caches[i])
+            x = layer(x, memory, src_mask, None if caches is None else caches[i], packing, memory_packing)
         return self.decoder.norm(x)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """Decoder output states (B, T, d_model); the loss projects only non-pad positions."""
+        """Decoder output states (B, T, d_model); the loss projects only non-pad positions.
+
+        A side that is mostly padding runs packed (transformer.packing): same result, less work."""
         src_mask = self.src_mask(src)
-        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+        src_packing, tgt_packing = Packing.of(src, self.pad), Packing.of(tgt_in, self.pad)
+        memory = self.encode(src, src_mask, src_packing)
+        x = self.decode(tgt_in, memory, src_mask, packing=tgt_packing, memory_packing=src_packing)
+        return x if tgt_packing is None else tgt_packing.unpack(x)
 
     def start(self, src: torch.Tensor) -> DecodeState:
         src_mask = self.src_mask(src)

@@ -1,0 +1,80 @@
+"""Packed batches: the token-wise layers skip the padding, with the padded result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer import packing
+from transformer.model import make_model
+from transformer.packing import Packing
+from transformer.vocab import PAD
+
+V = 20
+NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values
+
+
+def _model(norm: str = "pre", dropout: float = 0.0):
+    torch.manual_seed(0)
+    return make_model(V, V, N=2, d_model=16, d_ff=32, h=2, dropout=dropout, norm=norm, tie_embeddings=True, pad=PAD)
+
+
+def _padded(lengths: list[int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, V, (len(lengths), max(lengths)), generator=g)
+    return tokens.masked_fill(torch.arange(max(lengths)) >= torch.tensor(lengths)[:, None], PAD)
+
+
+SRC, TGT = _padded([9, 3, 5, 1, 7], 1), _padded([7, 2, 4, 1, 6], 2)  # 56% and 57% real
+
+
+def _outputs_and_gradients(model, threshold: float, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    monkeypatch.setattr(packing, "PACK_BELOW", threshold)
+    model.zero_grad()
+    real = model(SRC, TGT)[TGT != PAD]
+    (real ** 2).sum().backward()
+    return real.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_packed_outputs_and_gradients_equal_the_padded_ones(monkeypatch, norm):
+    model = _model(norm).train()
+    padded, padded_grads = _outputs_and_gradients(model, NEVER, monkeypatch)
+    packed, packed_grads = _outputs_and_gradients(model, ALWAYS, monkeypatch)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _feed_forward_rows(model) -> list[int]:
+    rows = []
+    for stack in (model.encoder, model.decoder):
+        stack.layers[0].ff.w_1.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[:-1].numel()))
+    return rows
+
+
+def test_a_mostly_padded_batch_runs_its_token_wise_layers_on_real_tokens_only():
+    model = _model()
+    rows = _feed_forward_rows(model)
+    out = model(SRC, TGT)
+    assert rows == [int((SRC != PAD).sum()), int((TGT != PAD).sum())]
+    assert out.shape == (*TGT.shape, 16)  # the caller still sees the padded layout
+    assert torch.equal(out[TGT == PAD], torch.zeros_like(out[TGT == PAD]))
+
+
+def test_a_mostly_real_batch_stays_padded():
+    full, one_pad = _padded([6, 6, 6, 6], 3), _padded([6, 6, 6, 5], 4)  # 100% and 96% real
+    assert Packing.of(full, PAD) is None and Packing.of(one_pad, PAD) is None
+    model = _model()
+    rows = _feed_forward_rows(model)
+    model(one_pad, full)
+    assert rows == [one_pad.numel(), full.numel()]
+
+
+def test_unpack_restores_the_real_tokens_and_zeroes_the_padding():
+    x = torch.randn(*SRC.shape, 3)
+    p = Packing.of(SRC, PAD)
+    assert p is not None and p.pack(x).shape == (int((SRC != PAD).sum()), 3)
+    back = p.unpack(p.pack(x))
+    real = (SRC != PAD)[..., None]
+    assert torch.equal(back, torch.where(real, x, torch.zeros(())))

@@ -11,10 +11,11 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
 
 - matmul peak: a 2048×2048 matmul repeated after warm-up, fp32 and bf16, in GFLOP/s. It is
   the denominator of MFU (model FLOPs utilization) for rows of that dtype.
-- training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam,
-  label smoothing 0.1, dropout on); batches are built before the clock starts:
+- training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam, fused
+  for ours as in training, label smoothing 0.1, dropout on); batches are built before the clock starts:
     a. ours, 256 sentences: transformer.model.make_model + transformer.loss.token_loss,
-       fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch).
+       fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch). They
+       are about 45% real tokens, so the model packs both sides (transformer.packing).
     b. baseline, 256 sentences: bench/baseline.py (the seed's way of computing the same
        model) on the very same batches as a.
     c. ours, token batches: the project's default batching, token_batches with
@@ -239,7 +240,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) 
     """One update the way transformer.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch instead of training's choice."""
     model = ours_model(data, size).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     smoothing = TrainConfig().label_smoothing
     kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(torch.device("cpu"), bf16))
 

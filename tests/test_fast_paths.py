@@ -75,3 +75,12 @@ def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, 
         assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     with attention_kernels(torch.device("cpu"), False):
         assert torch.backends.cuda.flash_sdp_enabled()  # fp32: torch's own choice (flash)
+
+
+def test_cpu_training_steps_with_the_fused_adam(monkeypatch, vocab_dir, tmp_path):
+    made = []
+    original = torch.optim.Adam
+    monkeypatch.setattr(torch.optim, "Adam", lambda *a, **k: made.append(k) or original(*a, **k))
+    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 1}))
+    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    assert [k.get("fused") for k in made] == [True]

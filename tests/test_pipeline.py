@@ -17,7 +17,7 @@ DVC = str(BIN / "dvc")
 
 @pytest.mark.slow
 def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
-    repo = project_copy(tmp_path, tiny_params())
+    repo = project_copy(tmp_path, tiny_params(**{"train.epochs": 20}))  # at 12 the toy model could still repeat a word
     first = run([DVC, "repro"], repo, timeout=600)
     for stage in ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val",
                   "decode@test2016", "score", "report"):

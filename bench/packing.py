@@ -15,7 +15,6 @@ transformer.packing.PACK_BELOW.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -45,27 +44,22 @@ def lengths(fill: float, g: torch.Generator) -> torch.Tensor:
 def padded_batch(fill: float, seed: int) -> Batch:
     g = torch.Generator().manual_seed(seed)
 
-    def side(n: torch.Tensor, first: int | None, last: int | None) -> torch.Tensor:
+    def side(n: torch.Tensor) -> torch.Tensor:
+        """Random ids ending in </s>, right-padded."""
         ids = torch.randint(4, VOCAB, (ROWS, LENGTH), generator=g)
-        if first is not None:
-            ids[:, 0] = first
-        if last is not None:
-            ids[torch.arange(ROWS), n - 1] = last
+        ids[torch.arange(ROWS), n - 1] = EOS
         return ids.masked_fill(torch.arange(LENGTH) >= n[:, None], PAD)
 
     src_n, tgt_n = lengths(fill, g), lengths(fill, g)
-    tgt = side(tgt_n, None, EOS)
+    tgt = side(tgt_n)
     tgt_in = torch.cat([torch.full((ROWS, 1), BOS), tgt[:, :-1]], 1).masked_fill(tgt == PAD, PAD)
-    return Batch(side(src_n, None, EOS), tgt_in, tgt, int(tgt_n.sum()))
+    return Batch(side(src_n), tgt_in, tgt, int(tgt_n.sum()))
 
 
 def tokens_per_s(step, batches: list[Batch], warmup: int) -> float:
-    for batch in batches[:warmup]:
-        step(batch)
-    start = time.perf_counter()
-    for batch in batches[warmup:]:
-        step(batch)
-    return sum(b.ntokens for b in batches[warmup:]) / (time.perf_counter() - start)
+    """bench.py's timing, over every batch after the warm-up."""
+    clock, timed = bench.time_training(step, batches, warmup, seconds=float("inf"))
+    return sum(b.ntokens for b in timed) / clock.seconds
 
 
 @click.command()

@@ -25,7 +25,7 @@ def main(params_path: Path, model_path: Path, source: Path, train_reports: Path,
     params = load_params(params_path)
     model = checkpoints.load(model_path)
     t = params.train
-    paths = draw_figures(model, source, train_reports, out, params.model.d_model, t.factor, t.warmup)
+    paths = draw_figures(model, source, train_reports, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker

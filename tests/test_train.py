@@ -16,6 +16,7 @@ import yaml
 from conftest import BIN, ROOT, free_port, run, tiny_params
 from transformer import checkpoints
 from transformer.config import params_from_dict
+from transformer.schedule import rate
 
 
 def _write_params(tmp_path: Path, **overrides) -> Path:
@@ -90,6 +91,24 @@ def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, voca
     assert steps[0].split("\t") == ["step", "loss", "lr", "tokens_per_s"] and len(steps) > 10
     assert len(epochs) == 1 + 4
     assert float(epochs[-1].split("\t")[3]) < float(epochs[1].split("\t")[3])  # val loss falls
+
+
+def test_cooldown_scales_the_last_updates_down_to_nearly_zero():
+    plain = [rate(s, 256, 2.0, 10) for s in range(1, 101)]
+    cooled = [rate(s, 256, 2.0, 10, total=100, cooldown=0.4) for s in range(1, 101)]
+    assert cooled[:61] == plain[:61]  # the last 40 updates cool down
+    assert cooled[60] > cooled[61] > cooled[99] and cooled[99] == pytest.approx(plain[99] / 40)
+
+
+def test_training_cools_down_over_its_last_updates(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 3, "train.cooldown": 0.5})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    rows = [line.split("\t") for line in (tmp_path / "reports" / "train_steps.tsv").read_text().splitlines()[1:]]
+    steps, lrs = [int(r[0]) for r in rows], [float(r[2]) for r in rows]
+    total = steps[-1]  # all 3 epochs: the run knew its length before the first update
+    assert steps == list(range(1, total + 1)) and total >= 6
+    assert lrs == pytest.approx([rate(s, 32, 1.0, 100, total, 0.5) for s in steps], rel=1e-5)  # the TSV keeps 6 digits
+    assert lrs[-1] < 0.2 * rate(total, 32, 1.0, 100)
 
 
 @pytest.fixture(scope="module")

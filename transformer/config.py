@@ -57,6 +57,7 @@ class TrainConfig:
     epochs: int = 10
     factor: float = 2.0
     warmup: int = 1000
+    cooldown: float = 0.0  # fraction of the updates, at the end, over which the rate falls linearly to 0
     label_smoothing: float = 0.1
     precision: str = "auto"  # auto | fp32 | bf16
     compile: bool = False
@@ -117,7 +118,7 @@ POSITIVE = {
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
 NON_NEGATIVE = {"train.save_every", "train.max_steps", "decode.max_len_extra", "decode.alpha"}
-FRACTIONS = {"model.dropout", "train.label_smoothing"}  # in [0, 1)
+FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown"}  # in [0, 1)
 
 
 def load_params(path: Path | str = "params.yaml") -> Params:

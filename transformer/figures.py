@@ -91,7 +91,7 @@ def read_tsv(path: Path) -> dict[str, list[float]]:
 
 
 def draw_figures(ckpt: dict[str, Any], source: Path, train_reports: Path, out_dir: Path,
-                 d_model: int, factor: float, warmup: int) -> list[Path]:
+                 d_model: int, factor: float, warmup: int, cooldown: float = 0.0) -> list[Path]:
     """Writes every figure as a PNG into `out_dir`, built aside and swapped in whole."""
     import matplotlib
 
@@ -115,7 +115,7 @@ def draw_figures(ckpt: dict[str, Any], source: Path, train_reports: Path, out_di
                      "key (decoder input)", "query (predicting)", tmp / f"attention_{n}_decoder.png")
             heatmaps(m.source, m.outputs, m.src, f"decoder-source attention, last layer, sentence {n}",
                      "key (source)", "query (predicting)", tmp / f"attention_{n}_source.png")
-        lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png")
+        lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png", cooldown)
         loss_figure(steps, epochs, tmp / "loss.png")
         names = sorted(p.name for p in tmp.iterdir())
     return [out_dir / name for name in names]
@@ -148,8 +148,10 @@ def heatmaps(weights: torch.Tensor, rows: list[str], cols: list[str], title: str
     fig.savefig(path, **PNG)
 
 
-def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path) -> None:
-    """Left: the schedule for this warmup beside WARMUPS; right: the rate the training logged, on the formula."""
+def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path,
+              cooldown: float = 0.0) -> None:
+    """Left: the schedule for this warmup beside WARMUPS; right: the rate the training logged, on the formula
+    (with the cooldown over the steps trained, which are all of them once training has finished)."""
     from matplotlib.figure import Figure
 
     trained = int(max(steps["step"], default=0))
@@ -165,10 +167,11 @@ def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[fl
     left.legend()
     if trained:
         right.plot(steps["step"], steps["lr"], ".", ms=5, color="tab:blue", label="logged by train")
-        right.plot(range(1, trained + 1), [rate(s, d_model, factor, warmup) for s in range(1, trained + 1)],
+        right.plot(range(1, trained + 1), [rate(s, d_model, factor, warmup, trained, cooldown) for s in range(1, trained + 1)],
                    color="black", lw=0.8, label="formula")
         right.legend()
-    right.set(title=f"this training ({trained} steps)", xlabel="step", ylabel="learning rate")
+    cooled = f", cooldown over the last {cooldown:.0%}" if cooldown else ""
+    right.set(title=f"this training ({trained} steps{cooled})", xlabel="step", ylabel="learning rate")
     fig.savefig(path, **PNG)
 
 

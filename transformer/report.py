@@ -89,7 +89,8 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
             ["parameters", model["parameters"]],
             ["vocabulary", vocab],
             ["batches", f"{t.max_tokens} tokens × nproc {t.nproc} × nnodes {t.nnodes} × accum {t.accum}"],
-            ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"],
+            ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"
+                         + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
             ["averaged", f"last {p.average.last_k} checkpoints"],

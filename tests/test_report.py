@@ -33,6 +33,13 @@ def test_section_sets_ours_beside_the_published_figure_in_its_metric():
     assert "| **total** | **2.0 min** |" in text and "git commit abc123" in text
 
 
+def test_recipe_names_the_cooldown_and_a_single_checkpoint():
+    params = params_from_dict(tiny_params(**{"train.cooldown": 0.3, "average.last_k": 1}))
+    text = "\n".join(report.recipe(params, MODEL))
+    assert "cooldown over the last 30%" in text and "| averaged | no: the last checkpoint alone |" in text
+    assert "cooldown" not in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
+
+
 def test_section_without_an_anchor_says_so():
     text = _section(corpus="toy", anchors=())
     assert "| none |" in text and "No published figure is on record" in text

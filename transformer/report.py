@@ -93,7 +93,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
                          + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
-            ["averaged", f"last {p.average.last_k} checkpoints"],
+            ["averaged", f"last {p.average.last_k} checkpoints" if p.average.last_k > 1 else "no: the last checkpoint alone"],
             ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
             ["training time", model["training time"]]]
     return _table(["", ""], rows)

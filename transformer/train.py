@@ -197,7 +197,7 @@ class _Loop:
             if not groups:
                 raise TrainingError(f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; lower them or train.max_tokens")
             # Every epoch has as many updates: the shuffle only reorders same-length pairs and whole batches.
-            self.total = min(len(groups) * p.epochs, p.max_steps) if p.max_steps else len(groups) * p.epochs
+            self.planned_updates = min(len(groups) * p.epochs, p.max_steps) if p.max_steps else len(groups) * p.epochs
             self._epoch(groups)
             if self._done():
                 break
@@ -233,7 +233,7 @@ class _Loop:
         pr, env = self.progress, self.env
         mine = group[env.rank::env.world]
         total = sum(int(self.corpus.tgt_lens[b].sum()) for b in group)  # global target tokens of this update
-        lr = rate(pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup, self.total, self.p.cooldown)
+        lr = rate(pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup, self.planned_updates, self.p.cooldown)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()

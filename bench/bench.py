@@ -247,7 +247,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
             hidden = model(batch.src, batch.tgt_in)
-            loss, _ = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
+            loss = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -244,7 +244,7 @@ class _Loop:
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
             with sync, self.autocast():
                 hidden = self.step_model(batch.src, batch.tgt_in)
-                loss, _ = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing)
+                loss = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing)
                 (loss * (env.world / total)).backward()
             loss_sum += loss.detach()
         self.optimizer.step()
@@ -294,7 +294,7 @@ class _Loop:
         for index in token_batches(self.valid.src_lens, self.valid.tgt_lens, self.p.max_tokens, 0):
             batch = self.valid.batch(index).to(self.env.device)
             with self.autocast():
-                _, batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
+                batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
             nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
         return nll / tokens, math.exp(min(nll / tokens, 50))
 

@@ -32,14 +32,14 @@ def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, ti
                           report.load_timings(timings), report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
                           hardware(), git_commit())
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
-    write_text(out, report.merge(existing, f"{d.corpus} {d.src_lang}-{d.tgt_lang}", body))
+    write_text(out, report.merge(existing, report.key(params), body))
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
         tracker = Tracker.attach(model["mlflow_run_id"])
         tracker.log_text(body, "reports/reproduction.md")
         tracker.end()
-    click.echo(f"{out}: section {d.corpus} {d.src_lang}-{d.tgt_lang} written", err=True)
+    click.echo(f"{out}: section {report.key(params)} written", err=True)
 
 
 if __name__ == "__main__":

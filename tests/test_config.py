@@ -125,6 +125,8 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("model", "norm", "sandwich"),
         ("vocab", "kind", "char"),
         ("score", "metrics", ["bleu", "meteor"]),
+        ("report", "label", "long run"),
+        ("report", "label", "x-->"),
     ],
 )
 def test_out_of_range_value_is_rejected_by_key(section, key, value):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from transformer import report
-from transformer.config import params_from_dict
+from transformer.config import load_params, params_from_dict
 from transformer.io import DataError, write_json
 from conftest import ROOT, tiny_params
 
@@ -19,8 +19,9 @@ MODEL = {"model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm", "parameters": "1
 ANCHOR = {"testset": "test2016", "metric": "bleu_tok_lc", "bleu": 36.52, "how": "greedy", "source": "a notebook"}
 
 
-def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHOR,)):
-    params = params_from_dict(tiny_params(**{"data.corpus": corpus, "data.src_lang": src, "data.tgt_lang": tgt}))
+def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHOR,), label=""):
+    params = params_from_dict(tiny_params(**{"data.corpus": corpus, "data.src_lang": src, "data.tgt_lang": tgt,
+                                             "report.label": label}))
     timings = timings if timings is not None else {"download": {"wall_s": 2.0, "finished": "t0"}, "train": {"wall_s": 118.0, "finished": "t1"}}
     return report.section(params, SCORES, SIGNATURES, MODEL, timings, list(anchors), "2 CPU cores", "abc123")
 
@@ -54,6 +55,27 @@ def test_merge_rewrites_its_own_section_and_keeps_the_others():
     de_en_part = rewritten.split("<!-- begin multi30k de-en -->")[1].split("<!-- end multi30k de-en -->")[0]
     assert "| train | 30.0 s | t2 |" in de_en_part and "118" not in de_en_part
     assert "en→de" in rewritten.split("<!-- begin multi30k en-de -->")[1]
+
+
+def test_a_labelled_recipe_has_its_own_section_beside_the_default():
+    long = params_from_dict(tiny_params(**{"data.corpus": "multi30k", "data.src_lang": "en", "data.tgt_lang": "de",
+                                           "report.label": "long"}))
+    assert report.key(long) == "multi30k en-de long"
+    default = report.merge("", "multi30k en-de", _section(src="en", tgt="de"))
+    both = report.merge(default, report.key(long), _section(src="en", tgt="de", label="long"))
+    long_part = both.split("<!-- begin multi30k en-de long -->")[1]
+    assert long_part.startswith("\n## multi30k en→de (long)\n") and "| multi30k | en→de (long) | test2016 |" in long_part
+    assert both.count("<!-- begin multi30k en-de -->") == 1 and "(long)" not in both.split("<!-- begin multi30k en-de long")[0]
+
+
+def test_no_two_shipped_params_files_write_the_same_section():
+    files = [ROOT / "params.yaml", *sorted((ROOT / "params").glob("*.yaml"))]
+    keys = {path.name: report.key(load_params(path)) for path in files}
+    owners = {}
+    for name, key in keys.items():
+        owners.setdefault(key, []).append(name)
+    shared = {k: v for k, v in owners.items() if len(v) > 1}
+    assert shared == {"multi30k de-en": ["params.yaml", "multi30k_de_en.yaml"]}, shared  # params.yaml is that preset
 
 
 def test_timings_come_in_pipeline_order(tmp_path):

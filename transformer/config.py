@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,11 @@ class ScoreConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    label: str = ""  # names this recipe's section of reports/reproduction.md beside corpus and direction
+
+
+@dataclass(frozen=True)
 class Params:
     data: DataConfig = field(default_factory=DataConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
@@ -95,6 +101,7 @@ class Params:
     average: AverageConfig = field(default_factory=AverageConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
@@ -119,6 +126,7 @@ POSITIVE = {
 }
 NON_NEGATIVE = {"train.save_every", "train.max_steps", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown"}  # in [0, 1)
+LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 
 
 def load_params(path: Path | str = "params.yaml") -> Params:
@@ -210,6 +218,8 @@ def _check_values(p: Params, source: str) -> None:
         fail("data.tgt_lang", "equals data.src_lang")
     if not p.decode.testsets:
         fail("decode.testsets", "must name at least one test set")
+    if not LABEL.fullmatch(p.report.label):
+        fail("report.label", "may hold only letters, digits, '_', '.' and '-'")
     if p.average.last_k > p.train.keep:
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
 

@@ -1,7 +1,8 @@
 """reports/reproduction.md: our scores beside the published ones, with what produced them.
 
-The file holds one section per corpus and direction. A run rewrites its own section and
-keeps the others, so the de→en and en→de runs (and any other corpus) share one report."""
+The file holds one section per corpus, direction and recipe label (params `report.label`,
+empty for the default recipes). A run rewrites its own section and keeps the others, so the
+de→en, en→de and long en→de runs (and any other corpus) share one report."""
 
 from __future__ import annotations
 
@@ -18,9 +19,20 @@ STAGE_ORDER = ("download", "tokenize", "build_vocab", "train", "average_checkpoi
 TITLE = """# Reproduction report
 
 Written by the pipeline (`dvc repro`, stage `report`: stages/report.py); never edit it by hand.
-Each corpus and direction has a section, rewritten by the latest run of that corpus and
-direction; its first table is the row the README's results table copies.
+Each corpus, direction and recipe label has a section, rewritten by the latest run of that
+corpus, direction and label; its first table is the row the README's results table copies.
 """
+
+
+def key(params: Params) -> str:
+    """The section's name in the report: corpus, direction and, if set, the recipe label."""
+    d = params.data
+    return " ".join(filter(None, (d.corpus, f"{d.src_lang}-{d.tgt_lang}", params.report.label)))
+
+
+def _direction(params: Params) -> str:
+    d, label = params.data, params.report.label
+    return f"{d.src_lang}→{d.tgt_lang}" + (f" ({label})" if label else "")
 
 
 def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[dict[str, Any]]:
@@ -59,7 +71,7 @@ def headline(params: Params, scores: dict[str, dict[str, Any]], anchors: list[di
     published = ", ".join(f"{a['bleu']} {METRIC_NAMES.get(a['metric'], a['metric'])}" for a in anchors
                           if a["testset"] == testset) or "none"
     total = sum(t["wall_s"] for t in timings.values())
-    row = [d.corpus, f"{d.src_lang}→{d.tgt_lang}", testset] + [s.get(m, "-") for m in METRIC_NAMES] + [published, _minutes(total)]
+    row = [d.corpus, _direction(params), testset] + [s.get(m, "-") for m in METRIC_NAMES] + [published, _minutes(total)]
     return _table(["corpus", "direction", "test set", *METRIC_NAMES.values(), "published", "pipeline wall time"], [row])
 
 
@@ -108,9 +120,8 @@ def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
 def section(params: Params, scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]],
             model: dict[str, Any], timings: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
             hardware: str, commit: str | None) -> str:
-    d = params.data
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    parts = [f"## {d.corpus} {d.src_lang}→{d.tgt_lang}", "", *headline(params, scores, anchors, timings), "",
+    parts = [f"## {params.data.corpus} {_direction(params)}", "", *headline(params, scores, anchors, timings), "",
              "Beside the published figures, each in the metric it was published with:", "", *comparison(scores, anchors), "",
              "All scores:", "", *score_table(scores, signatures), "",
              "Recipe:", "", *recipe(params, model), "",

@@ -35,6 +35,13 @@ def test_tokenized_lowercased_bleu_forgives_case_and_tokenization():
     assert scores["bleu_tok_lc"] >= scores["bleu"]
 
 
+def test_tokenized_lowercased_bleu_does_not_warn_of_tokenized_input(caplog):
+    lines = [f"A dog number {i} runs." for i in range(120)]  # sacreBLEU warns from 100 lines ending in " ."
+    with caplog.at_level("WARNING"):
+        score_lines(lines, lines, "en", ("bleu", "bleu_tok_lc"))
+    assert "detokenize" not in caplog.text
+
+
 def test_every_metric_comes_with_its_signature():
     scores = score_lines(["a b c d e"], ["a b c d f"], "en", METRICS)
     assert set(scores) == set(METRICS) | {f"{m}_signature" for m in METRICS}

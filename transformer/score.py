@@ -24,7 +24,8 @@ def score_lines(hyps: list[str], refs: list[str], lang: str, metrics: tuple[str,
     out: dict[str, Any] = {}
     for name in metrics:
         if name == "bleu_tok_lc":
-            metric, h, r = sacrebleu.BLEU(tokenize="none"), tok_lc(hyps, lang), tok_lc(refs, lang)
+            # force: the text is tokenized on purpose; without it sacreBLEU warns "forgot to detokenize"
+            metric, h, r = sacrebleu.BLEU(tokenize="none", force=True), tok_lc(hyps, lang), tok_lc(refs, lang)
         else:
             metric = {"bleu": sacrebleu.BLEU, "chrf": sacrebleu.CHRF, "ter": sacrebleu.TER}[name]()
             h, r = hyps, refs

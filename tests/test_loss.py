@@ -26,4 +26,4 @@ def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
         target[tgt_out[row, col]] += 1 - smoothing
         expected -= float((target * log_probs[row, col]).sum())
 
-    assert float(token_loss(model, hidden, tgt_out, PAD, smoothing)) == pytest.approx(expected, rel=1e-5)
+    assert float(token_loss(model, hidden, tgt_out, PAD, smoothing).detach()) == pytest.approx(expected, rel=1e-5)

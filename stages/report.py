@@ -31,15 +31,16 @@ def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, ti
     body = report.section(params, scored, read_json(signatures), describe_model(model),
                           report.load_timings(timings), report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
                           hardware(), git_commit())
+    key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
-    write_text(out, report.merge(existing, report.key(params), body))
+    write_text(out, report.merge(existing, key, body))
     if track and model.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
         tracker = Tracker.attach(model["mlflow_run_id"])
         tracker.log_text(body, "reports/reproduction.md")
         tracker.end()
-    click.echo(f"{out}: section {report.key(params)} written", err=True)
+    click.echo(f"{out}: section {key} written", err=True)
 
 
 if __name__ == "__main__":

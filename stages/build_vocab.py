@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from transformer.cli import PARAMS, stage
+from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import atomic_dir
 from transformer.vocab import build_vocabs

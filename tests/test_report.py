@@ -107,7 +107,7 @@ def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch)
     import click
     from click.testing import CliRunner
 
-    from transformer.cli import stage
+    from transformer.stage import stage
 
     @click.command()
     @stage

@@ -11,9 +11,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A params file that cannot be used; the message names the file and key."""
+from transformer.errors import ConfigError
 
 
 @dataclass(frozen=True)

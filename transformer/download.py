@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from transformer.io import DataError, atomic_dir
+from transformer.io import DataError, atomic_dir, sha256_file
 
 MIRROR_ENV = "TRANSFORMER_DATA_MIRROR"
 FORMATS = ("text", "tags", "sgm")
@@ -168,8 +168,3 @@ def _tar_member(archive: Path, member: str) -> bytes:
             return f.read()
     except (tarfile.TarError, EOFError, zlib.error) as e:
         raise DataError(f"{archive}: truncated or corrupt archive ({e})") from None
-
-
-def sha256_file(path: Path | str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -11,13 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from transformer.errors import DataError
+
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file (and line) to fix."""
 
 
 @contextlib.contextmanager
@@ -94,3 +93,8 @@ def read_lines(path: Path | str) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line.rstrip("\r") for line in lines]
+
+
+def sha256_file(path: Path | str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -11,11 +11,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from transformer.errors import TrackingError
+
 URI_ENV = "MLFLOW_TRACKING_URI"
-
-
-class TrackingError(RuntimeError):
-    pass
 
 
 def project_root() -> Path:

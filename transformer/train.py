@@ -19,8 +19,8 @@ from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, token_batches, epoch_steps
 from transformer.config import Params, flatten
-from transformer.download import sha256_file
-from transformer.io import write_json, write_text
+from transformer.errors import TrainingError
+from transformer.io import sha256_file, write_json, write_text
 from transformer.loss import token_loss
 from transformer.model import make_model
 from transformer.schedule import rate
@@ -28,10 +28,6 @@ from transformer.vocab import PAD, load_vocabs
 
 TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a resumable run must share
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""dvc.yaml lists, as each stage's deps, exactly the project files its script imports (transitively),
+so editing any of them reruns the stage and nothing else does."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "transformer"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every project module a file imports, at any depth of its code (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from transformer import checkpoints`
+    return {m for m in found if m.split(".")[0] == PACKAGE and _file(m).exists()}
+
+
+def _file(module: str) -> Path:
+    return ROOT.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def import_closure(script: Path) -> set[str]:
+    """The project files (relative paths) that running `script` can import."""
+    todo, seen = [script], set()
+    while todo:
+        path = todo.pop()
+        for module in imported_modules(path):
+            if module not in seen:
+                seen.add(module)
+                todo.append(_file(module))
+    files = {_file(m).relative_to(ROOT).as_posix() for m in seen}
+    return files - {f"{PACKAGE}/__init__.py"}  # an empty package marker: no behaviour to invalidate
+
+
+def stages() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+
+
+def script_and_deps(stage: dict) -> tuple[str, set[str]]:
+    stage = stage.get("do", stage)  # foreach stages keep their body under `do`
+    script = re.search(r"stages/\w+\.py", stage["cmd"]).group(0)
+    deps = {d for d in stage["deps"] if d.endswith(".py")}
+    return script, deps
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_stage_deps_are_its_scripts_import_closure(name):
+    script, deps = script_and_deps(stages()[name])
+    closure = import_closure(ROOT / script) | {script}
+    missing, extra = sorted(closure - deps), sorted(deps - closure)
+    assert not missing, f"dvc.yaml stage '{name}' imports but does not list as deps: {', '.join(missing)}"
+    assert not extra, f"dvc.yaml stage '{name}' lists deps its script never imports: {', '.join(extra)}"
+
+
+def test_no_stage_imports_the_user_command():
+    for name, stage in stages().items():
+        script, _ = script_and_deps(stage)
+        assert f"{PACKAGE}/cli.py" not in import_closure(ROOT / script), f"stage '{name}' imports transformer/cli.py"
+
+
+def test_closure_follows_function_level_and_from_package_imports(tmp_path):
+    script = ROOT / "stages" / "average_checkpoints.py"
+    closure = import_closure(script)
+    assert "transformer/checkpoints.py" in closure  # `from transformer import checkpoints`
+    assert "transformer/stage.py" in closure and "transformer/errors.py" in closure  # through stage.py
+    assert "transformer/train.py" not in closure

@@ -1,0 +1,56 @@
+"""What every stage script shares: the --params and --timing options, one clear error line and a
+non-zero exit for bad input. Small on purpose: every stage imports it, so it imports only the
+bottom of the package (errors, io)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from transformer.errors import ERRORS
+from transformer.io import write_json
+
+PARAMS = click.option("--params", "params_path", default="params.yaml", show_default=True,
+                      type=click.Path(path_type=Path), help="params file")
+
+
+TIMING = click.option("--timing", type=click.Path(path_type=Path), default=None,
+                      help="write this command's wall time here (JSON), for the reproduction report")
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux), so a stage's time includes Python's start-up and imports."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def stage(fn):
+    """Turns the project's errors into `error: <message>` and exit status 1, never a traceback,
+    and adds --timing."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, timing: Path | None = None, **kwargs):
+        start = time.perf_counter()
+        try:
+            result = fn(*args, **kwargs)
+        except ERRORS as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        wall = time.perf_counter() - start
+        click.echo(f"{Path(sys.argv[0]).stem}: done in {wall:.1f} s", err=True)
+        if timing and os.environ.get("RANK", "0") == "0":  # under torchrun, the first process speaks
+            finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            write_json(timing, {"wall_s": round(process_age() or wall, 1), "finished": finished})
+        return result
+
+    return TIMING(wrapper)

@@ -59,6 +59,23 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         old.unlink()
 
 
+def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    """This process's generators: the CPU one, and the one of its GPU (dropout there draws from it)."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def restore_rng(rng: dict[str, Any], rank: int, device: torch.device) -> None:
+    """Sets this rank's generators from a checkpoint's per-rank states ({"cpu": [...], "cuda": [...]}).
+
+    A checkpoint from before per-rank states holds one CPU state, which every rank then takes."""
+    if "cpu" not in rng:
+        torch.set_rng_state(rng["torch"])
+        return
+    torch.set_rng_state(rng["cpu"][rank])
+    if device.type == "cuda" and rng["cuda"] and rng["cuda"][rank] is not None:
+        torch.cuda.set_rng_state(rng["cuda"][rank], device)
+
+
 def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Mean of model weights, accumulated in float32 and cast back; integer buffers from the last.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -117,15 +118,15 @@ def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tr
         if tracker:
             tracker.end("FAILED")
         raise
+    if env.world > 1:  # the collective work ends before the upload, which may outlast the collective timeout
+        dist.barrier()
+        dist.destroy_process_group()
     if tracker:
         tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
         final = checkpoints.listed(ckpt_dir)
         if final:
             tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
-    if env.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
     return summary
 
 
@@ -136,29 +137,111 @@ def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
 
 
 def _resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist) -> Progress:
-    """Continues from the newest checkpoint if it was made with the same params and data;
-    otherwise clears the directory so a stale run is never continued."""
+    """Continues from rank 0's newest checkpoint, sent to every rank: nodes other than 0 need no
+    copy of the checkpoint directory. Each rank takes back its own RNG state."""
+    if env.world > 1:
+        _check_same_run(identity, env)
+    state = _read_resume_state(ckpt_dir, identity) if env.main else None
+    if env.world > 1:
+        state = _broadcast(state, env.device)
+    if state is None:
+        return Progress()
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    checkpoints.restore_rng(state["rng"], env.rank, env.device)
+    return Progress(**state["progress"])
+
+
+def _read_resume_state(ckpt_dir: Path, identity: dict) -> dict[str, Any] | None:
+    """The newest checkpoint if it was made with the same params and data; otherwise clears the
+    directory so a stale run is never continued."""
     found = checkpoints.listed(ckpt_dir)
     if found:
         ckpt = checkpoints.load(found[-1], checkpoints.RESUME_KEYS)
         if ckpt.get("identity") == identity:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            torch.set_rng_state(ckpt["rng"]["torch"])
-            if env.main:
-                print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
+            print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
             h = ckpt["history"]
-            return Progress(ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"], ckpt.get("train_time_s", 0.0),
-                            h["steps"], h["epochs"], ckpt.get("mlflow_run_id"))
-        if env.main:
-            print(f"{ckpt_dir}: checkpoints were made with other params or data; starting afresh", file=sys.stderr)
-    if env.world > 1:
-        dist.barrier()  # every rank has read the old checkpoints before rank 0 removes them
-    if env.main:
-        for old in found:
-            old.unlink()
+            progress = {"step": ckpt["step"], "epoch": ckpt["epoch"], "step_in_epoch": ckpt["step_in_epoch"],
+                        "train_time_s": ckpt.get("train_time_s", 0.0), "steps": h["steps"], "epochs": h["epochs"],
+                        "mlflow_run_id": ckpt.get("mlflow_run_id")}
+            return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
+        print(f"{ckpt_dir}: checkpoints were made with other params or data; starting afresh", file=sys.stderr)
+    for old in found:
+        old.unlink()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    return Progress()
+    return None
+
+
+def _check_same_run(identity: dict, env: Dist) -> None:
+    """One clear error on every rank at start-up when the nodes would not train the same run: other
+    params or token ids than rank 0's, or DVC running the stage on a node other than 0 (DVC runs on
+    node 0 only, which writes every output; there it would also delete node 0's outputs on a shared disk)."""
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    mine = {"host": socket.gethostname(), "node": node, "identity": identity, "dvc": os.environ.get("DVC_STAGE")}
+    everyone: list[Any] = [None] * env.world
+    dist.all_gather_object(everyone, mine)
+    problems = []
+    for rank, other in enumerate(everyone):
+        where = f"rank {rank} (node {other['node']}, {other['host']})"
+        if other["identity"]["params"] != everyone[0]["identity"]["params"]:
+            problems.append(f"{where} has other data/tokenize/vocab/model/train params than rank 0")
+        elif other["identity"]["data"] != everyone[0]["identity"]["data"]:
+            problems.append(f"{where} has other token ids (vocab.pt, train.pt) than rank 0")
+        if other["node"] != 0 and other["dvc"]:
+            problems.append(f"{where} runs under DVC: run DVC on node 0 only, and the stage's command itself on the others")
+    if problems:
+        raise TrainingError("the nodes do not train the same run: " + "; ".join(problems) +
+                            " (see README, Training at scale)")
+
+
+def _broadcast(obj: Any, device: torch.device) -> Any:
+    """Rank 0's `obj` (dicts and lists of tensors and plain values) on every rank: the structure
+    in one pickled message, then each tensor through `device` (NCCL sends GPU tensors only)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return _Slot(len(tensors) - 1, x.shape, x.dtype)
+        return _map(x, strip)
+
+    def collect(x):
+        if isinstance(x, _Slot):
+            slots.append(x)
+        return _map(x, collect)
+
+    sender, slots = dist.get_rank() == 0, []
+    message = [strip(obj) if sender else None]
+    dist.broadcast_object_list(message, src=0)
+    collect(message[0])
+    received = []
+    for slot in sorted(slots, key=lambda s: s.index):
+        t = tensors[slot.index].to(device) if sender else torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        dist.broadcast(t, src=0)
+        received.append(None if sender else t.cpu())
+
+    def fill(x):
+        return received[x.index] if isinstance(x, _Slot) else _map(x, fill)
+
+    return obj if sender else fill(message[0])
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor sits in a broadcast structure."""
+
+    index: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _map(x: Any, fn) -> Any:
+    """`fn` applied to each element of a dict, list or tuple (the same container back); other values as they are."""
+    if isinstance(x, dict):
+        return {k: fn(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(fn(v) for v in x)
+    return x
 
 
 def _start_tracking(params: Params, progress: Progress, tracker_factory):
@@ -287,7 +370,7 @@ class _Loop:
         """Mean NLL per target token on the validation split, and its perplexity."""
         self.model.eval()
         nll, tokens = 0.0, 0
-        for index in token_batches(self.valid.src_lens, self.valid.tgt_lens, self.p.max_tokens, 0):
+        for index in validation_batches(self.valid.src_lens, self.valid.tgt_lens, self.p.max_tokens):
             batch = self.valid.batch(index).to(self.env.device)
             with self.autocast():
                 batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
@@ -311,6 +394,11 @@ class _Loop:
 
     def _save(self) -> None:
         self._sync()  # never checkpoint weights whose losses were not checked
+        mine = checkpoints.rng_state(self.env.device)
+        rng = [mine]
+        if self.env.world > 1:  # every rank's generators, so that each resumes its own dropout masks
+            rng = [None] * self.env.world
+            dist.all_gather_object(rng, mine)
         if not self.env.main:
             return
         pr = self.progress
@@ -323,8 +411,8 @@ class _Loop:
         checkpoints.save(path, {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "params": self.params.to_dict(),
             "step": pr.step, "epoch": pr.epoch, "step_in_epoch": pr.step_in_epoch, "train_time_s": pr.train_time_s,
-            "rng": {"torch": torch.get_rng_state()}, "history": {"steps": pr.steps, "epochs": pr.epochs},
-            "mlflow_run_id": pr.mlflow_run_id, **self.meta,
+            "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
+            "history": {"steps": pr.steps, "epochs": pr.epochs}, "mlflow_run_id": pr.mlflow_run_id, **self.meta,
         })
         checkpoints.prune(self.ckpt_dir, self.p.keep)
         self._write_reports()
@@ -341,6 +429,15 @@ class _Loop:
             _write_tsv(self.reports_dir / "train_epochs.tsv", pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl"))
             write_json(self.reports_dir / "train.json", summary)
         return summary
+
+
+def validation_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_tokens: int) -> list[list[int]]:
+    """Token batches of the validation pairs. Validation is never length-filtered: a pair longer
+    than max_tokens gets a batch of its own rather than failing the end of an epoch."""
+    longest = torch.maximum(src_lens, tgt_lens)
+    fits, too_long = (longest <= max_tokens).nonzero().flatten(), (longest > max_tokens).nonzero().flatten()
+    batches = token_batches(src_lens[fits], tgt_lens[fits], max_tokens, 0)
+    return [fits[b].tolist() for b in batches] + [[i] for i in too_long.tolist()]
 
 
 def _write_tsv(path: Path, rows: list[dict[str, float]], columns: tuple[str, ...]) -> None:

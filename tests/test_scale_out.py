@@ -26,7 +26,10 @@ DDP_RUN = {"train.nproc": 2, "train.epochs": 10, "train.save_every": 4, "model.d
 
 
 def _env(**extra: str) -> dict:
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | extra
+    """One thread per process, as torchrun sets for several processes a node and not for one:
+    1 node x 2 processes and 2 nodes x 1 process then sum in the same order, bit for bit."""
+    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port()),
+                         "OMP_NUM_THREADS": "1"} | extra
 
 
 def _write_params(directory: Path, **overrides) -> Path:

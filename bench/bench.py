@@ -74,7 +74,7 @@ import baseline  # noqa: E402
 
 from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
-from transformer.config import DecodeConfig, TrainConfig  # noqa: E402
+from transformer.config import load_params  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 from transformer.loss import token_loss  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
@@ -83,6 +83,7 @@ from transformer.system import hardware  # noqa: E402
 from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PARAMS = load_params(ROOT / "params.yaml")  # the default recipe's batching, smoothing and decoding
 SEED = 1234
 SYNTHETIC_VOCAB = 8000
 MULTI30K_TRAIN = 29_000  # sentence pairs
@@ -178,7 +179,7 @@ def pad_to(batch: Batch, length: int) -> Batch:
 
 
 def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch]]:
-    index = token_batches(corpus.src_lens, corpus.tgt_lens, TrainConfig().max_tokens, SEED)[:count]
+    index = token_batches(corpus.src_lens, corpus.tgt_lens, PARAMS.train.max_tokens, SEED)[:count]
     return {"256 sentences": sentence_batches(corpus, 256, count, SEED),
             "token batches": [corpus.batch(i) for i in index],
             "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)]}
@@ -241,7 +242,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) 
     `default_kernel` leaves the attention backend to torch instead of training's choice."""
     model = ours_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    smoothing = TrainConfig().label_smoothing
+    smoothing = PARAMS.train.label_smoothing
     kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(torch.device("cpu"), bf16))
 
     def step(batch: Batch) -> torch.Tensor:
@@ -259,7 +260,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) 
 def baseline_step(data: Data, size: Size) -> Step:
     model = baseline_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    criterion = baseline.LabelSmoothing(data.tgt_vocab, PAD, TrainConfig().label_smoothing)
+    criterion = baseline.LabelSmoothing(data.tgt_vocab, PAD, PARAMS.train.label_smoothing)
     return lambda b: baseline.train_step(model, criterion, optimizer, b.src, b.tgt_in, b.tgt_out, PAD)
 
 
@@ -370,14 +371,14 @@ def length_batches(sources: list[list[int]], max_tokens: int) -> list[list[int]]
 def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> int:
     """Target tokens produced by ours on every source, batched by length."""
     tokens = 0
-    for batch in length_batches(sources, DecodeConfig().batch_tokens // beam):
+    for batch in length_batches(sources, PARAMS.decode.batch_tokens // beam):
         src = torch.nn.utils.rnn.pad_sequence([torch.tensor(sources[i]) for i in batch], batch_first=True,
                                               padding_value=PAD)  # (B, S)
         max_len = torch.tensor([len(sources[i]) + EXTRA for i in batch])
         if beam == 1:
             out = greedy(model, src, max_len, BOS, NO_EOS)
         else:
-            out = beam_search(model, src, beam, DecodeConfig().alpha, max_len, BOS, NO_EOS)
+            out = beam_search(model, src, beam, PARAMS.decode.alpha, max_len, BOS, NO_EOS)
         tokens += sum(len(o) for o in out)
     return tokens
 
@@ -403,7 +404,7 @@ def decode_row(key: str, label: str, run: Callable[[list[list[int]]], int], sour
 
 def decoding_rows(size: Size, data: Data, plan: Plan) -> list[dict[str, Any]]:
     sources = decode_sources(data.corpus, plan.decode_sentences)
-    ours, base, beam = ours_model(data, size).eval(), baseline_model(data, size).eval(), DecodeConfig().beam
+    ours, base, beam = ours_model(data, size).eval(), baseline_model(data, size).eval(), PARAMS.decode.beam
     rows = [decode_row("g", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
             decode_row("h", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
             decode_row("i", "baseline, greedy, one by one", lambda s: decode_baseline(base, s), sources, size)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _valid() -> dict:
-    """A complete, valid params mapping (the defaults), to break one key at a time."""
-    return Params().to_dict()
+    """A complete, valid params mapping (the repository's params.yaml), to break one key at a time."""
+    return yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
 
 
 def _with(section: str, key: str, value) -> dict:
@@ -39,8 +41,20 @@ def test_repo_params_yaml_values_reach_the_dataclasses():
     assert params.to_dict()["score"]["metrics"] == raw["score"]["metrics"]
 
 
-def test_defaults_round_trip_through_to_dict():
-    assert params_from_dict(_valid()) == Params()
+def test_params_round_trip_through_to_dict():
+    params = params_from_dict(_valid())
+    assert params_from_dict(params.to_dict()) == params
+
+
+def test_no_config_dataclass_has_a_default_to_contradict_params_yaml():
+    """params.yaml is the one place a value lives: a dataclass default would be a second copy
+    that silently wins when a key is missing (as TrainConfig.epochs 10 did against 15)."""
+    sections = typing.get_type_hints(Params)
+    assert list(sections) == list(_valid())  # every section of params.yaml, in its order
+    for cls in (Params, *sections.values()):
+        defaulted = [f.name for f in dataclasses.fields(cls)
+                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not defaulted, f"{cls.__name__} has defaults for {', '.join(defaulted)}: params.yaml holds them"
 
 
 def test_int_given_for_a_float_key_is_accepted_as_float():
@@ -48,10 +62,20 @@ def test_int_given_for_a_float_key_is_accepted_as_float():
     assert params.train.factor == 2.0 and isinstance(params.train.factor, float)
 
 
-def test_empty_section_takes_the_defaults():
+def test_missing_key_is_rejected_by_name():
+    raw = _valid()
+    del raw["train"]["epochs"]
+    with pytest.raises(ConfigError, match="missing key") as e:
+        params_from_dict(raw)
+    assert "train.epochs" in str(e.value)
+
+
+def test_empty_section_is_rejected_naming_its_keys():
     raw = _valid()
     raw["average"] = None
-    assert params_from_dict(raw).average == Params().average
+    with pytest.raises(ConfigError, match="missing key") as e:
+        params_from_dict(raw)
+    assert "average.last_k" in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -194,6 +218,6 @@ def test_top_level_list_is_rejected(tmp_path):
 
 
 def test_params_are_frozen():
-    params = Params()
+    params = params_from_dict(_valid())
     with pytest.raises(AttributeError):
         params.model.N = 6

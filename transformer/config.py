@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,92 +14,96 @@ import yaml
 from transformer.errors import ConfigError
 
 
+# No field has a default: params.yaml (and each preset in params/) holds every value, and the
+# loader refuses a file that leaves one out, so no second copy can silently win.
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    corpus: str = "multi30k"
-    src_lang: str = "de"
-    tgt_lang: str = "en"
-    registry: str = "transformer/corpora.yaml"
-    valid: str = "val"  # the split validated on during training
+    corpus: str
+    src_lang: str
+    tgt_lang: str
+    registry: str
+    valid: str
 
 
 @dataclass(frozen=True)
 class TokenizeConfig:
-    max_len: int = 100  # training pairs with a longer side (in tokens) are dropped
+    max_len: int
 
 
 @dataclass(frozen=True)
 class VocabConfig:
-    kind: str = "bpe"  # word | bpe
-    size: int = 8000  # bpe: joint vocabulary size
-    min_freq: int = 2  # word: rarer tokens become <unk>
+    kind: str
+    size: int
+    min_freq: int
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    N: int = 3
-    d_model: int = 256
-    d_ff: int = 1024
-    h: int = 4
-    dropout: float = 0.1
-    norm: str = "pre"  # post (the paper) | pre (the Annotated Transformer)
-    tie_embeddings: bool = True  # needs a joint (bpe) vocabulary
+    N: int
+    d_model: int
+    d_ff: int
+    h: int
+    dropout: float
+    norm: str
+    tie_embeddings: bool
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    nproc: int = 1  # processes per node (torchrun --nproc-per-node)
-    nnodes: int = 1
-    seed: int = 1
-    max_tokens: int = 3000  # per process and micro-batch, source or target side
-    accum: int = 1
-    epochs: int = 10
-    factor: float = 2.0
-    warmup: int = 1000
-    cooldown: float = 0.0  # fraction of the updates, at the end, over which the rate falls linearly to 0
-    label_smoothing: float = 0.1
-    precision: str = "auto"  # auto | fp32 | bf16
-    compile: bool = False
-    save_every: int = 0  # steps between mid-epoch checkpoints; 0: at epoch ends only
-    keep: int = 5
-    max_steps: int = 0  # stop after this many updates; 0: run all epochs
+    nproc: int
+    nnodes: int
+    seed: int
+    max_tokens: int
+    accum: int
+    epochs: int
+    factor: float
+    warmup: int
+    cooldown: float
+    label_smoothing: float
+    precision: str
+    compile: bool
+    save_every: int
+    keep: int
+    max_steps: int
 
 
 @dataclass(frozen=True)
 class AverageConfig:
-    last_k: int = 5
+    last_k: int
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam: int = 4
-    alpha: float = 0.6  # GNMT length penalty
-    max_len_extra: int = 50  # output may be at most source length + this
-    batch_tokens: int = 6000
-    testsets: tuple[str, ...] = ("val", "test2016")
+    beam: int
+    alpha: float
+    max_len_extra: int
+    batch_tokens: int
+    testsets: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    metrics: tuple[str, ...] = ("bleu", "bleu_tok_lc", "chrf", "ter")
+    metrics: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class ReportConfig:
-    label: str = ""  # names this recipe's section of reports/reproduction.md beside corpus and direction
+    label: str
 
 
 @dataclass(frozen=True)
 class Params:
-    data: DataConfig = field(default_factory=DataConfig)
-    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
-    vocab: VocabConfig = field(default_factory=VocabConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    average: AverageConfig = field(default_factory=AverageConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    score: ScoreConfig = field(default_factory=ScoreConfig)
-    report: ReportConfig = field(default_factory=ReportConfig)
+    data: DataConfig
+    tokenize: TokenizeConfig
+    vocab: VocabConfig
+    model: ModelConfig
+    train: TrainConfig
+    average: AverageConfig
+    decode: DecodeConfig
+    score: ScoreConfig
+    report: ReportConfig
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
@@ -109,13 +113,14 @@ class Params:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
-_SECTION_TYPES = {f.name: f.default_factory for f in dataclasses.fields(Params)}
+_SECTION_TYPES = typing.get_type_hints(Params)
+METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}  # score.metrics: name in reports
 
 CHOICES = {
     "vocab.kind": ("word", "bpe"),
     "model.norm": ("post", "pre"),
     "train.precision": ("auto", "fp32", "bf16"),
-    "score.metrics": ("bleu", "bleu_tok_lc", "chrf", "ter"),
+    "score.metrics": tuple(METRICS),
 }
 POSITIVE = {
     "tokenize.max_len", "vocab.size", "vocab.min_freq", "model.N", "model.d_model", "model.d_ff",
@@ -167,6 +172,9 @@ def _section(name: str, raw: Any, source: str) -> Any:
             known = ", ".join(hints)
             raise ConfigError(f"{source}: unknown key '{name}.{key}' (known keys of '{name}': {known})")
         values[key] = _coerce(f"{name}.{key}", value, hints[key], source)
+    missing = [f"{name}.{key}" for key in hints if key not in values]
+    if missing:
+        raise ConfigError(f"{source}: missing key{'s' * (len(missing) > 1)} {', '.join(missing)} (params.yaml lists every key)")
     return cls(**values)
 
 

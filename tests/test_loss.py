@@ -15,7 +15,8 @@ PAD = 2
 def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
     torch.manual_seed(0)
     vocab = 20
-    model = make_model(vocab, vocab, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True).eval()
+    model = make_model(vocab, vocab, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True,
+                       pad=PAD).eval()
     tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
     hidden = torch.randn(2, 4, 16)
 

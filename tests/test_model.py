@@ -130,7 +130,7 @@ def test_dropout_is_active_in_training_and_off_in_eval():
 
 
 def test_make_model_initializes_matrices_xavier_uniform():
-    model = make_model(V_SRC, V_TGT, N=1, d_model=16, d_ff=32, h=2)
+    model = make_model(V_SRC, V_TGT, N=1, d_model=16, d_ff=32, h=2, dropout=0.1, norm="post", tie_embeddings=False, pad=PAD)
     weight = model.encoder.layers[0].ff.w_1.weight  # (d_ff, d_model)
     bound = (6 / (16 + 32)) ** 0.5
     assert weight.abs().max() <= bound

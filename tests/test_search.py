@@ -158,7 +158,7 @@ def test_eos_at_the_first_step_gives_an_empty_hypothesis():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", pad=PAD).eval()
+    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
 
 
 def _sentences() -> list[torch.Tensor]:

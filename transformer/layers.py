@@ -77,3 +77,19 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+
+
+class Encoder(Stack):
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, src_mask, packing)
+        return self.norm(x)
+
+
+class Decoder(Stack):
+    def forward(self, x, memory, src_mask, caches: list[tuple[Cache, Cache]] | None = None,
+                packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+        """`caches`: one (self-attention, source-attention) pair per layer when decoding step by step."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, src_mask, None if caches is None else caches[i], packing, memory_packing)
+        return self.norm(x)

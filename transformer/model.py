@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from transformer.embeddings import Embeddings, PositionalEncoding
-from transformer.layers import DecoderLayer, EncoderLayer, Stack
+from transformer.layers import Decoder, DecoderLayer, Encoder, EncoderLayer
 from transformer.packing import Packing
 
 
@@ -32,8 +32,8 @@ class Transformer(nn.Module):
                  dropout: float, norm: str, tie_embeddings: bool, pad: int):
         super().__init__()
         self.pad = pad
-        self.encoder = Stack([EncoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
-        self.decoder = Stack([DecoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
+        self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
+        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
         self.src_embed = Embeddings(src_vocab, d_model)
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
@@ -49,18 +49,14 @@ class Transformer(nn.Module):
         """Memory (B, S, d_model), or (n, d_model) with a packing of src."""
         x = self.position(self.src_embed(src))  # (B, S, d_model)
         x = self.dropout(x if packing is None else packing.pack(x))
-        for layer in self.encoder.layers:
-            x = layer(x, src_mask, packing)
-        return self.encoder.norm(x)
+        return self.encoder(x, src_mask, packing)
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, caches: list | None = None,
                start: int = 0, packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
         """States (B, T, d_model), or (n, d_model) with a packing of tgt."""
         x = self.position(self.tgt_embed(tgt), start)  # (B, T, d_model)
         x = self.dropout(x if packing is None else packing.pack(x))
-        for i, layer in enumerate(self.decoder.layers):
-            x = layer(x, memory, src_mask, None if caches is None else caches[i], packing, memory_packing)
-        return self.decoder.norm(x)
+        return self.decoder(x, memory, src_mask, caches, packing, memory_packing)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Decoder output states (B, T, d_model); the loss projects only non-pad positions.
@@ -84,9 +80,15 @@ class Transformer(nn.Module):
         return torch.log_softmax(self.generator(x[:, -1]).float(), dim=-1)
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int = 6, d_model: int = 512, d_ff: int = 2048, h: int = 8,
-               dropout: float = 0.1, norm: str = "post", tie_embeddings: bool = False, pad: int = 2) -> Transformer:
-    """Builds the model from hyperparameters, Xavier-uniform on every matrix."""
+def count_parameters(model: nn.Module) -> int:
+    """Numbers the model learns; a weight shared by several modules (tied embeddings) counts once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
+               tie_embeddings: bool, pad: int) -> Transformer:
+    """Builds the model from hyperparameters (params.yaml's `model` section; `pad`, the vocabulary's
+    padding id), Xavier-uniform on every matrix."""
     model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad)
     for p in model.parameters():
         if p.dim() > 1:

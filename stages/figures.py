@@ -13,24 +13,24 @@ from transformer.config import load_params
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the averaged model")
 @click.option("--source", required=True, type=click.Path(path_type=Path),
               help="tokenized source text; its first 3 non-empty sentences are translated greedily and drawn")
-@click.option("--train-reports", required=True, type=click.Path(path_type=Path),
-              help="train's reports directory (train_steps.tsv, train_epochs.tsv)")
+@click.option("--steps", required=True, type=click.Path(path_type=Path), help="train's per-update report (TSV)")
+@click.option("--epochs", required=True, type=click.Path(path_type=Path), help="train's per-epoch report (TSV)")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="directory of PNG figures")
 @click.option("--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run")
 @stage
-def main(params_path: Path, model_path: Path, source: Path, train_reports: Path, out: Path, track: bool) -> None:
+def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs: Path, out: Path, track: bool) -> None:
     from transformer import checkpoints
     from transformer.figures import draw_figures
 
     params = load_params(params_path)
-    model = checkpoints.load(model_path)
+    model, ckpt = checkpoints.load_model(model_path)
     t = params.train
-    paths = draw_figures(model, source, train_reports, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
+    paths = draw_figures(model, ckpt, source, steps, epochs, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)
-    if track and model.get("mlflow_run_id"):
+    if track and ckpt.get("mlflow_run_id"):
         from transformer.tracking import Tracker
 
-        tracker = Tracker.attach(model["mlflow_run_id"])
+        tracker = Tracker.attach(ckpt["mlflow_run_id"])
         for path in paths:
             tracker.log_artifact(path, "figures")
         tracker.end()

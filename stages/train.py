@@ -12,18 +12,20 @@ from transformer.config import load_params
 @PARAMS
 @click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory")
 @click.option("--checkpoints", "ckpt_dir", required=True, type=click.Path(path_type=Path))
-@click.option("--reports", required=True, type=click.Path(path_type=Path), help="directory for train metrics and plots")
+@click.option("--steps", required=True, type=click.Path(path_type=Path), help="per-update report: loss, lr, tokens/s (TSV)")
+@click.option("--epochs", required=True, type=click.Path(path_type=Path), help="per-epoch report: train and validation loss (TSV)")
+@click.option("--summary", required=True, type=click.Path(path_type=Path), help="the run's metrics (JSON)")
 @click.option("--track/--no-track", default=True, show_default=True, help="log to MLflow")
 @stage
-def main(params_path: Path, vocab: Path, ckpt_dir: Path, reports: Path, track: bool) -> None:
+def main(params_path: Path, vocab: Path, ckpt_dir: Path, steps: Path, epochs: Path, summary: Path, track: bool) -> None:
     from transformer import tracking
-    from transformer.train import train
+    from transformer.train import Outputs, train
 
     params = load_params(params_path)
     if track:
         tracking.check_reachable(tracking.tracking_uri())  # before any training work
-    summary = train(params, vocab, ckpt_dir, reports, tracking.Tracker if track else None)
-    click.echo(f"trained: {summary}", err=True)
+    result = train(params, vocab, Outputs(ckpt_dir, steps, epochs, summary), tracking.Tracker if track else None)
+    click.echo(f"trained: {result}", err=True)
 
 
 if __name__ == "__main__":

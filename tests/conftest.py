@@ -79,6 +79,21 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: 
     return result
 
 
+def train_outputs(directory: Path):
+    """Training's outputs under `directory`: checkpoints in ckpt/, the reports in reports/."""
+    from transformer.train import Outputs
+
+    reports = directory / "reports"
+    return Outputs(directory / "ckpt", reports / "train_steps.tsv", reports / "train_epochs.tsv", reports / "train.json")
+
+
+def train_options(directory: Path) -> list[str]:
+    """stages/train.py's output options for train_outputs(directory)."""
+    out = train_outputs(directory)
+    return ["--checkpoints", str(out.checkpoints), "--steps", str(out.steps), "--epochs", str(out.epochs),
+            "--summary", str(out.summary)]
+
+
 @pytest.fixture
 def vocab_dir(tmp_path: Path) -> Path:
     """A toy corpus tokenized and turned into a BPE vocabulary with token-id arrays."""
@@ -126,7 +141,8 @@ def _one_thread():
 # The fault and bad-input suite: each category lists the tests (file::name prefixes) that
 # prove a clear error, a non-zero exit or no partial output for one kind of fault.
 FAULTS = {
-    "1 params": ["test_config.py::test_unknown_", "test_config.py::test_missing_section", "test_config.py::test_wrong_type",
+    "1 params": ["test_config.py::test_unknown_", "test_config.py::test_missing_section",
+                 "test_config.py::test_missing_key", "test_config.py::test_empty_section", "test_config.py::test_wrong_type",
                  "test_config.py::test_d_model_not_divisible", "test_config.py::test_out_of_range", "test_config.py::test_nan",
                  "test_config.py::test_yaml_syntax", "test_config.py::test_error_from_a_file"],
     "2 download": ["test_download.py::test_checksum_mismatch", "test_download.py::test_truncated_gzip",

@@ -11,12 +11,13 @@ from transformer.config import params_from_dict
 from transformer.loss import token_loss
 from transformer.model import make_model
 from transformer.search import beam_search, greedy
-from conftest import tiny_params
+from transformer.vocab import PAD
+from conftest import tiny_params, train_outputs
 
 
 def _model(N: int = 2):
     torch.manual_seed(0)
-    return make_model(20, 20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True).eval()
+    return make_model(20, 20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=PAD).eval()
 
 
 def _src():
@@ -49,7 +50,7 @@ def test_training_batches_by_token_count(monkeypatch, vocab_dir, tmp_path):
     original = train_module.token_batches
     monkeypatch.setattr(train_module, "token_batches", lambda *a: seen.append(a[2]) or original(*a))
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2}))
-    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert params.train.max_tokens in seen
 
 
@@ -69,7 +70,7 @@ def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, 
     original = train_module.attention_kernels
     monkeypatch.setattr(train_module, "attention_kernels", lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16))
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
-    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert seen and set(seen) == {("cpu", True)}
     with attention_kernels(torch.device("cpu"), True):
         assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
@@ -82,5 +83,5 @@ def test_cpu_training_steps_with_the_fused_adam(monkeypatch, vocab_dir, tmp_path
     original = torch.optim.Adam
     monkeypatch.setattr(torch.optim, "Adam", lambda *a, **k: made.append(k) or original(*a, **k))
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 1}))
-    train_module.train(params, vocab_dir, tmp_path / "ckpt", tmp_path / "reports")
+    train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert [k.get("fused") for k in made] == [True]

@@ -7,7 +7,7 @@ import torch
 
 from conftest import BIN, ROOT, run
 from transformer import checkpoints
-from transformer.config import Params
+from transformer.config import load_params
 from transformer.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
 from transformer.io import DataError
 from transformer.model import make_model
@@ -26,7 +26,7 @@ def _tiny(h: int = 2):
 
 def _checkpoint(tmp_path):
     model, vocab, config = _tiny()
-    params = Params().to_dict()
+    params = load_params(ROOT / "params.yaml").to_dict()
     params["decode"]["max_len_extra"] = 4
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -77,7 +77,9 @@ def test_a_ragged_train_report_is_refused_by_file(tmp_path):
 
 def test_draw_figures_writes_every_png_and_no_temporary_file(tmp_path):
     ckpt, source, reports = _checkpoint(tmp_path)
-    drawn = draw_figures(ckpt, source, reports, tmp_path / "figures", d_model=16, factor=1.0, warmup=10)
+    model, _, _ = _tiny()
+    drawn = draw_figures(model, ckpt, source, reports / "train_steps.tsv", reports / "train_epochs.tsv", tmp_path / "figures",
+                         d_model=16, factor=1.0, warmup=10, cooldown=0.0)
     assert [p.name for p in drawn] == sorted(["lr_schedule.png", "loss.png"] + [
         f"attention_{n}_{kind}.png" for n in (1, 2, 3) for kind in ("encoder", "decoder", "source")])
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
@@ -97,7 +99,8 @@ def test_figures_stage_draws_and_reports_a_missing_model_in_one_line(tmp_path):
     ckpt, source, reports = _checkpoint(tmp_path)
     checkpoints.save(tmp_path / "model.pt", ckpt)
     cmd = [str(BIN / "python"), str(ROOT / "stages/figures.py"), "--params", str(ROOT / "params.yaml"),
-           "--source", str(source), "--train-reports", str(reports), "--out", str(tmp_path / "figures"), "--no-track"]
+           "--source", str(source), "--steps", str(reports / "train_steps.tsv"), "--epochs", str(reports / "train_epochs.tsv"),
+           "--out", str(tmp_path / "figures"), "--no-track"]
     drawn = run(cmd + ["--model", str(tmp_path / "model.pt")], tmp_path)
     assert "drew 11 figures" in drawn.stderr and (tmp_path / "figures/lr_schedule.png").exists()
     failed = run(cmd + ["--model", str(tmp_path / "missing.pt")], tmp_path, check=False)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs
+from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_options
 from transformer import checkpoints
 
 
@@ -34,8 +34,8 @@ def _wait_for(predicate, seconds: float) -> bool:
 def trained_model(tmp_path, vocab_dir) -> Path:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 2})))
-    run([sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab_dir), "--checkpoints",
-         str(tmp_path / "ckpt"), "--reports", str(tmp_path / "reports"), "--no-track"], ROOT)
+    run([sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path),
+         "--no-track"], ROOT)
     model = tmp_path / "model.pt"
     checkpoints.save(model, checkpoints.average_checkpoints(tmp_path / "ckpt", 1))
     return model
@@ -66,7 +66,7 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes(tmp_path, vocab_dir
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.nproc": 2, "train.epochs": 40, "train.save_every": 5})))
     cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "stages/train.py", "--params", str(params),
-           "--vocab", str(vocab_dir), "--checkpoints", str(tmp_path / "ckpt"), "--reports", str(tmp_path / "reports"), "--no-track"]
+           "--vocab", str(vocab_dir), *train_options(tmp_path), "--no-track"]
     job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: len(checkpoints.listed(tmp_path / "ckpt")) >= 1, 120), "no checkpoint written"
     workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "stages/train.py" in " ".join(p.cmdline())]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params
+from conftest import BIN, ROOT, free_port, run, tiny_params, train_options, train_outputs
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.schedule import rate
@@ -26,8 +26,7 @@ def _write_params(tmp_path: Path, **overrides) -> Path:
 
 
 def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), "--checkpoints", str(out / "ckpt"),
-            "--reports", str(out / "reports"), "--no-track"]
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out), "--no-track"]
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -72,13 +71,14 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
     params = params_from_dict(tiny_params(**{"vocab.kind": "word", "model.tie_embeddings": False, "model.N": 2, "model.d_model": 64,
                                              "model.d_ff": 128, "train.epochs": 20, "train.max_tokens": 200, "train.factor": 1.0,
                                              "train.label_smoothing": 0.0}))
-    summary = train(params, tmp_path / "vocab", tmp_path / "ckpt", tmp_path / "reports")
+    summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["steps"] < 800  # a few hundred updates: seconds on an idle CPU
     assert summary["val_loss"] < 0.1  # nats per token
     checkpoints.save(tmp_path / "model.pt", checkpoints.average_checkpoints(tmp_path / "ckpt", 3))
     translator = Translator(tmp_path / "model.pt", device="cpu")
     sources = (tmp_path / "tok" / "val.de").read_text().splitlines()
-    assert translator.translate_tokenized(sources, beam=1) == (raw / "val.en").read_text().splitlines()
+    search = {"beam": 1, "alpha": 0.6, "max_len_extra": 50, "batch_tokens": 6000}
+    assert translator.translate_tokenized(sources, **search) == (raw / "val.en").read_text().splitlines()
 
 
 def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, vocab_dir):

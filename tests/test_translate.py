@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from transformer import checkpoints
-from transformer.config import Params
+from conftest import ROOT
+from transformer.config import load_params
 from transformer.io import DataError
 from transformer.model import make_model
 from transformer.translate import Translator, timed_translate
@@ -22,6 +23,11 @@ def _vocabs() -> tuple[WordVocab, WordVocab]:
     return WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
 
 
+def _search(**overrides) -> dict:
+    """Decoding settings (translate_tokenized has no defaults of its own), with `overrides`."""
+    return {"beam": 2, "alpha": 0.6, "max_len_extra": 3, "batch_tokens": 6000} | overrides
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> Path:
     """A tiny, untrained model saved the way average_checkpoints saves one."""
@@ -31,7 +37,7 @@ def model_file(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = make_model(**config)
     path = tmp_path_factory.mktemp("model") / "model.pt"
-    params = Params().to_dict()
+    params = load_params(ROOT / "params.yaml").to_dict()
     assert (params["data"]["src_lang"], params["data"]["tgt_lang"]) == ("de", "en")
     checkpoints.save(path, {"model": model.state_dict(), "model_config": config, "params": params,
                             "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
@@ -52,40 +58,39 @@ def test_translator_rebuilds_the_saved_model(translator, model_file):
 
 def test_translations_keep_line_count_and_order(translator):
     lines = SRC_LINES + ["Hund Hund Hund Hund Hund Hund", "ein"]
-    search = {"beam": 2, "alpha": 0.6, "max_len_extra": 3}
-    batched = translator.translate_tokenized(lines, batch_tokens=8, **search)  # several batches
-    alone = [translator.translate_tokenized([line], **search)[0] for line in lines]
+    batched = translator.translate_tokenized(lines, **_search(batch_tokens=8))  # several batches
+    alone = [translator.translate_tokenized([line], **_search())[0] for line in lines]
     assert len(batched) == len(lines)
     assert batched == alone
     assert len(set(batched)) > 1  # distinct inputs, distinct outputs: a shuffle would show
 
 
 def test_empty_input_line_gives_an_empty_output_line(translator):
-    out = translator.translate_tokenized(["ein Hund", "", "   ", "eine Frau"], beam=2, max_len_extra=3)
+    out = translator.translate_tokenized(["ein Hund", "", "   ", "eine Frau"], **_search(beam=2, max_len_extra=3))
     assert len(out) == 4
     assert out[1] == "" and out[2] == ""
-    assert out[0] == translator.translate_tokenized(["ein Hund"], beam=2, max_len_extra=3)[0]
+    assert out[0] == translator.translate_tokenized(["ein Hund"], **_search(beam=2, max_len_extra=3))[0]
 
 
 def test_output_is_at_most_source_length_plus_extra(translator):
-    out = translator.translate_tokenized(["ein Hund"], beam=2, max_len_extra=1)
+    out = translator.translate_tokenized(["ein Hund"], **_search(beam=2, max_len_extra=1))
     assert len(out[0].split()) <= 2 + 1 + 1  # two words and </s>, plus one
 
 
 def test_outputs_contain_only_target_words(translator):
     _, tgt = _vocabs()
     words = set(tgt.itos[4:])
-    for line in translator.translate_tokenized(SRC_LINES, beam=3, max_len_extra=4):
+    for line in translator.translate_tokenized(SRC_LINES, **_search(beam=3, max_len_extra=4)):
         assert set(line.split()) <= words, line
 
 
 def test_raw_text_is_tokenized_with_the_source_language(translator):
-    raw = translator.translate(["ein Hund läuft."], beam=2, max_len_extra=3)
-    assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], beam=2, max_len_extra=3)
+    raw = translator.translate(["ein Hund läuft."], **_search(beam=2, max_len_extra=3))
+    assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], **_search(beam=2, max_len_extra=3))
 
 
 def test_timed_translate_reports_speed(translator):
-    out, speed = timed_translate(translator, SRC_LINES, beam=2, max_len_extra=2)
+    out, speed = timed_translate(translator, SRC_LINES, **_search(beam=2, max_len_extra=2))
     assert len(out) == len(SRC_LINES)
     assert speed["seconds"] >= 0 and speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
 

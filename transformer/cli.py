@@ -15,8 +15,8 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path),
-              help="a model file (averaged by the pipeline, or any checkpoint)")
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
+              help="a model file (the average_checkpoints stage's output, or any checkpoint)")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="raw text, one sentence a line (default: stdin)")
 @click.option("--beam", type=int, help="beam size (default: the model's decode params)")
 @click.option("--alpha", type=float, help="length penalty (default: the model's decode params)")

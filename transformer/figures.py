@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from transformer.io import DataError, atomic_dir, read_lines
-from transformer.model import make_model
+from transformer.model import Transformer
 from transformer.schedule import rate
 from transformer.search import greedy
 from transformer.tokenize import JOINER
@@ -90,23 +90,19 @@ def read_tsv(path: Path) -> dict[str, list[float]]:
         raise DataError(f"{path}: a row is not {len(header)} tab-separated numbers") from None
 
 
-def draw_figures(ckpt: dict[str, Any], source: Path, train_reports: Path, out_dir: Path,
-                 d_model: int, factor: float, warmup: int, cooldown: float = 0.0) -> list[Path]:
-    """Writes every figure as a PNG into `out_dir`, built aside and swapped in whole."""
+def draw_figures(model: Transformer, ckpt: dict[str, Any], source: Path, steps_tsv: Path, epochs_tsv: Path,
+                 out_dir: Path, d_model: int, factor: float, warmup: int, cooldown: float) -> list[Path]:
+    """Writes every figure of `model` (with its checkpoint's vocabularies) and of the train reports
+    as a PNG into `out_dir`, built aside and swapped in whole."""
     import matplotlib
 
     matplotlib.use("Agg")
-    model = make_model(**ckpt["model_config"])
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise DataError(f"model weights do not fit the model config ({str(e).splitlines()[0]})") from None
     src_vocab, tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
     lines = [line for line in read_lines(source) if line.strip()][:SENTENCES]
     if not lines:
         raise DataError(f"{source}: no sentence to draw attention for")
     maps = attention_maps(model, src_vocab, tgt_vocab, lines, ckpt["params"]["decode"]["max_len_extra"])
-    steps, epochs = read_tsv(train_reports / "train_steps.tsv"), read_tsv(train_reports / "train_epochs.tsv")
+    steps, epochs = read_tsv(steps_tsv), read_tsv(epochs_tsv)
     with atomic_dir(out_dir) as tmp:
         for n, m in enumerate(maps, 1):
             heatmaps(m.encoder, m.src, m.src, f"encoder self-attention, last layer, sentence {n}",
@@ -149,7 +145,7 @@ def heatmaps(weights: torch.Tensor, rows: list[str], cols: list[str], title: str
 
 
 def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path,
-              cooldown: float = 0.0) -> None:
+              cooldown: float) -> None:
     """Left: the schedule for this warmup beside WARMUPS; right: the rate the training logged, on the formula
     (with the cooldown over the steps trained, which are all of them once training has finished)."""
     from matplotlib.figure import Figure

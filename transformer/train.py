@@ -42,6 +42,16 @@ class Dist:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """Where training writes; dvc.yaml's command line names every path."""
+
+    checkpoints: Path  # directory
+    steps: Path  # per-update report (TSV)
+    epochs: Path  # per-epoch report (TSV)
+    summary: Path  # the run's metrics (JSON)
+
+
 @dataclass
 class Progress:
     """Everything that must survive a restart, besides weights and optimizer."""
@@ -85,7 +95,7 @@ def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
     return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
 
 
-def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tracker_factory=None) -> dict[str, Any]:
+def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None) -> dict[str, Any]:
     """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking."""
     env = setup_distributed()
     p = params.train
@@ -99,12 +109,9 @@ def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tr
     fused = env.device.type in ("cuda", "cpu")  # one kernel updates every tensor
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
     identity = {"params": {s: params.to_dict()[s] for s in TRAIN_SECTIONS}, "data": data_fingerprint(vocab_dir, "train")}
-    progress = _resume(ckpt_dir, identity, model, optimizer, env)
+    progress = _resume(out.checkpoints, identity, model, optimizer, env)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
-    # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if env.world > 1 else model
-    step_model = torch.compile(ddp) if p.compile else ddp
-    loop = _Loop(params, env, model, step_model, optimizer, corpus, valid, progress, tracker, ckpt_dir, reports_dir,
+    loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
                  {"model_config": _model_config(params, src_vocab, tgt_vocab),
                   "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity})
     try:
@@ -123,7 +130,7 @@ def train(params: Params, vocab_dir: Path, ckpt_dir: Path, reports_dir: Path, tr
         dist.destroy_process_group()
     if tracker:
         tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
-        final = checkpoints.listed(ckpt_dir)
+        final = checkpoints.listed(out.checkpoints)
         if final:
             tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
@@ -260,13 +267,18 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
 
 
 class _Loop:
-    def __init__(self, params, env, model, step_model, optimizer, corpus, valid, progress, tracker, ckpt_dir, reports_dir, meta):
+    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta):
         self.params, self.p, self.env = params, params.train, env
-        self.model, self.step_model, self.optimizer = model, step_model, optimizer
+        self.model, self.optimizer = model, optimizer
+        # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
+        ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if env.world > 1 else model
+        self.step_model = torch.compile(ddp) if self.p.compile else ddp
         self.corpus, self.valid, self.progress, self.tracker = corpus, valid, progress, tracker
-        self.ckpt_dir, self.reports_dir, self.meta = ckpt_dir, reports_dir, meta
+        self.out, self.ckpt_dir, self.meta = out, out.checkpoints, meta
         self.bf16 = use_bf16(self.p.precision, env.device)
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
+        self.planned_updates = 0  # set once the first epoch's batches are known
+        self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
 
     def run(self) -> dict[str, Any]:
         pr, p = self.progress, self.p
@@ -425,9 +437,9 @@ class _Loop:
                    "val_ppl": last.get("val_ppl"), "train_time_s": round(pr.train_time_s, 1),
                    "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
         if self.env.main:
-            _write_tsv(self.reports_dir / "train_steps.tsv", pr.steps, ("step", "loss", "lr", "tokens_per_s"))
-            _write_tsv(self.reports_dir / "train_epochs.tsv", pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl"))
-            write_json(self.reports_dir / "train.json", summary)
+            _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
+            _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl"))
+            write_json(self.out.summary, summary)
         return summary
 
 

@@ -10,7 +10,6 @@ import torch
 
 from transformer import checkpoints
 from transformer.io import DataError
-from transformer.model import make_model
 from transformer.search import beam_search
 from transformer.tokenize import Tokenizer, detokenize
 from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
@@ -18,14 +17,8 @@ from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
 
 class Translator:
     def __init__(self, model_path: Path | str, device: str | None = None):
-        ckpt = checkpoints.load(model_path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = make_model(**ckpt["model_config"])
-        try:
-            self.model.load_state_dict(ckpt["model"])
-        except RuntimeError as e:
-            raise DataError(f"{model_path}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
-        self.model.to(self.device).eval()
+        self.model, ckpt = checkpoints.load_model(model_path, self.device)
         self.src_vocab, self.tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
         self.params = ckpt["params"]
         self.path = Path(model_path)
@@ -44,9 +37,10 @@ class Translator:
         tokenizer = Tokenizer(self.params["data"]["src_lang"])
         return self.translate_tokenized(list(tokenizer.pipe(raw_lines)), **search)
 
-    def translate_tokenized(self, lines: list[str], beam: int = 4, alpha: float = 0.6, max_len_extra: int = 50,
-                            batch_tokens: int = 6000, progress: bool = False) -> list[str]:
-        """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""
+    def translate_tokenized(self, lines: list[str], *, beam: int, alpha: float, max_len_extra: int, batch_tokens: int,
+                            progress: bool = False) -> list[str]:
+        """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line.
+        The search settings are params.yaml's `decode` section (the model file holds the run's)."""
         from tqdm import tqdm
 
         encoded = [self.src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]

@@ -1,4 +1,4 @@
-"""Stage report: this run's section of reports/reproduction.md (scores beside published ones)."""
+"""Stage report: this run's section of reports/reproduction.md (scores beside published ones and our baselines)."""
 
 from pathlib import Path
 

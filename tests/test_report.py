@@ -1,22 +1,31 @@
-"""reports/reproduction.md: sections per corpus and direction, scores beside published figures."""
+"""reports/reproduction.md: sections per corpus and direction, scores beside published figures and our baselines."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from transformer import report
-from transformer.config import load_params, params_from_dict
+from transformer.checkpoints import average_state_dicts
+from transformer.config import METRICS, load_params, params_from_dict
 from transformer.io import DataError, write_json
+from transformer.model import make_model
+from transformer.system import describe_model
+from transformer.vocab import PAD
 from conftest import ROOT, tiny_params
 
 SCORES = {"val": {"bleu": 30.0, "bleu_tok_lc": 31.0, "chrf": 55.0, "ter": 50.0},
           "test2016": {"bleu": 39.72, "bleu_tok_lc": 39.97, "chrf": 58.37, "ter": 42.47}}
 SIGNATURES = {t: {"bleu": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"} for t in SCORES}
-MODEL = {"model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm", "parameters": "11.7M", "updates": 2610,
+MODEL = {"model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm", "parameters": "7.6M (7,579,904)", "updates": 2610,
          "training time": "43.4 min", "averaged": "no"}
-ANCHOR = {"testset": "test2016", "metric": "bleu_tok_lc", "bleu": 36.52, "how": "greedy", "source": "a notebook"}
+ANCHOR = {"kind": "published", "testset": "test2016", "metric": "bleu_tok_lc", "bleu": 36.52, "how": "greedy",
+          "source": "a notebook"}
+BASELINE = {"kind": "baseline", "testset": "test2016", "metric": "bleu", "bleu": 37.5, "how": "torch.nn.Transformer",
+            "source": "our calibration run"}
 
 
 def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHOR,), label=""):
@@ -28,7 +37,7 @@ def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHO
 
 def test_section_sets_ours_beside_the_published_figure_in_its_metric():
     text = _section()
-    assert "| multi30k | de→en | test2016 | 39.72 | 39.97 | 58.37 | 42.47 | 36.52 BLEU tok-lc | 2.0 min |" in text
+    assert "| multi30k | de→en | test2016 | 39.72 | 39.97 | 58.37 | 42.47 | 36.52 BLEU tok-lc | none | 2.0 min |" in text
     assert "| test2016 | BLEU tok-lc | 36.52 | 39.97 | +3.45 | greedy | a notebook |" in text
     assert "`nrefs:1\\|case:mixed\\|eff:no\\|tok:13a\\|smooth:exp\\|version:2.6.0`" in text  # escaped inside the table
     assert "| **total** | **2.0 min** |" in text and "git commit abc123" in text
@@ -43,7 +52,46 @@ def test_recipe_names_the_cooldown_and_a_single_checkpoint():
 
 def test_section_without_an_anchor_says_so():
     text = _section(corpus="toy", anchors=())
-    assert "| none |" in text and "No published figure is on record" in text
+    assert "| none | none |" in text and "No published figure is on record" in text
+    assert "baseline" not in text.split("| pipeline wall time |")[1]  # no baseline table either
+
+
+def test_our_baseline_stands_apart_from_the_published_figures():
+    text = _section(anchors=(ANCHOR, BASELINE))
+    assert "| 42.47 | 36.52 BLEU tok-lc | 37.5 BLEU | 2.0 min |" in text  # published, then baseline
+    published, baselines = text.split("Beside the published figures")[1].split("Beside our own baselines")
+    assert "| test2016 | BLEU tok-lc | 36.52 | 39.97 | +3.45 |" in published and "37.5" not in published
+    assert "| test2016 | BLEU | 37.5 | 39.72 | +2.22 | torch.nn.Transformer | our calibration run |" in baselines
+    assert "| baseline | ours | ours − baseline |" in baselines
+
+
+def test_the_calibration_runs_are_baselines_not_published_figures():
+    for src, tgt in (("de", "en"), ("en", "de")):
+        anchors = report.load_anchors("multi30k", src, tgt)
+        assert {a["kind"] for a in anchors if "calibration" in a["source"]} == {"baseline"}
+
+
+def test_an_anchor_of_no_known_kind_is_refused_by_file(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("toy:\n  de-en:\n    - {testset: test, metric: bleu, bleu: 1.0, how: x, source: y}\n")
+    with pytest.raises(DataError, match="kind must be one of published, baseline") as e:
+        report.load_anchors("toy", "de", "en", path)
+    assert str(path) in str(e.value)
+
+
+def test_the_report_counts_a_tied_embedding_once():
+    """The averaged file holds the tied embedding under three names (source, target, generator),
+    each its own tensor; the model as built has it once."""
+    torch.manual_seed(0)
+    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
+              "norm": "pre", "tie_embeddings": True, "pad": PAD}
+    model = make_model(**config)
+    built = sum(p.numel() for p in model.parameters())
+    averaged = average_state_dicts([model.state_dict(), model.state_dict()])
+    assert sum(t.numel() for t in averaged.values()) == built + 2 * 40 * 16
+    described = describe_model({"model": averaged, "model_config": config, "step": 1})
+    recipe = "\n".join(report.recipe(params_from_dict(tiny_params()), described))
+    assert f"| parameters | 0.0M ({built:,}) |" in recipe
 
 
 def test_merge_rewrites_its_own_section_and_keeps_the_others():
@@ -78,10 +126,12 @@ def test_no_two_shipped_params_files_write_the_same_section():
     assert shared == {"multi30k de-en": ["params.yaml", "multi30k_de_en.yaml"]}, shared  # params.yaml is that preset
 
 
-def test_timings_come_in_pipeline_order(tmp_path):
-    for name in ("score", "decode@val", "download", "train"):
-        write_json(tmp_path / f"{name}.json", {"wall_s": 1.0, "finished": "t"})
-    assert list(report.load_timings(tmp_path)) == ["download", "train", "decode@val", "score"]
+def test_timings_come_in_the_order_the_stages_finished(tmp_path):
+    finished = {"score": "02:50:58", "decode@val": "02:50:40", "figures": "02:51:10", "download": "02:09:25",
+                "train": "02:50:20", "decode@test2016": "02:50:52"}
+    for name, time in finished.items():
+        write_json(tmp_path / f"{name}.json", {"wall_s": 1.0, "finished": f"2026-11-22T{time}+00:00"})
+    assert list(report.load_timings(tmp_path)) == ["download", "train", "decode@val", "decode@test2016", "score", "figures"]
 
 
 def test_a_broken_timing_file_is_named(tmp_path):
@@ -90,10 +140,15 @@ def test_a_broken_timing_file_is_named(tmp_path):
         report.load_timings(tmp_path)
 
 
-def test_every_multi30k_direction_has_an_anchor():
+def test_every_multi30k_direction_has_a_published_anchor():
     for src, tgt in (("de", "en"), ("en", "de")):
         anchors = report.load_anchors("multi30k", src, tgt)
-        assert anchors and all(a["metric"] in report.METRIC_NAMES for a in anchors)
+        assert any(a["kind"] == "published" for a in anchors) and all(a["metric"] in METRICS for a in anchors)
+
+
+def test_the_package_ships_the_data_files_it_reads():
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["transformer"]
+    assert sorted(package_data) == sorted(p.name for p in (ROOT / "transformer").glob("*.yaml"))
 
 
 def test_readme_results_are_copied_from_the_report():

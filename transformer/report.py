@@ -1,4 +1,4 @@
-"""reports/reproduction.md: our scores beside the published ones, with what produced them.
+"""reports/reproduction.md: our scores beside the published ones and our own baselines, with what produced them.
 
 The file holds one section per corpus, direction and recipe label (params `report.label`,
 empty for the default recipes). A run rewrites its own section and keeps the others, so the
@@ -10,12 +10,11 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from transformer.config import Params
-from transformer.io import read_json
+from transformer.config import METRICS, Params
+from transformer.io import DataError, read_json
 
 ANCHORS = Path(__file__).with_name("anchors.yaml")
-METRIC_NAMES = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}
-STAGE_ORDER = ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode", "score", "figures")
+KINDS = ("published", "baseline")  # a figure from the literature, or one of our own calibration runs
 TITLE = """# Reproduction report
 
 Written by the pipeline (`dvc repro`, stage `report`: stages/report.py); never edit it by hand.
@@ -36,20 +35,22 @@ def _direction(params: Params) -> str:
 
 
 def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[dict[str, Any]]:
+    """The figures to set a corpus and direction's scores beside; each says its `kind` (KINDS)."""
     import yaml
 
-    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get(corpus, {}).get(f"{src}-{tgt}", [])
+    anchors = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get(corpus, {}).get(f"{src}-{tgt}", [])
+    for a in anchors:
+        if a.get("kind") not in KINDS:
+            raise DataError(f"{path}: {corpus} {src}-{tgt} {a.get('testset')}: kind must be one of {', '.join(KINDS)}, "
+                            f"got {a.get('kind')!r}")
+    return anchors
 
 
 def load_timings(directory: Path) -> dict[str, dict[str, Any]]:
-    """{stage: {wall_s, finished}} from the stages' --timing files, in pipeline order."""
+    """{stage: {wall_s, finished}} from the stages' --timing files, in the order they finished: the
+    pipeline's order for a full run, with no list of stages to repeat dvc.yaml's."""
     found = {p.stem: read_json(p) for p in directory.glob("*.json")} if directory.is_dir() else {}
-    return dict(sorted(found.items(), key=lambda kv: (_stage_rank(kv[0]), kv[1].get("finished", ""), kv[0])))
-
-
-def _stage_rank(name: str) -> int:
-    base = name.split("@", 1)[0]
-    return STAGE_ORDER.index(base) if base in STAGE_ORDER else len(STAGE_ORDER)
+    return dict(sorted(found.items(), key=lambda kv: (kv[1].get("finished", ""), kv[0])))
 
 
 def _minutes(seconds: float) -> str:
@@ -63,33 +64,34 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 def headline(params: Params, scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
              timings: dict[str, dict[str, Any]]) -> list[str]:
-    """The one-row summary: the anchors' test set (else the last one), every metric, the pipeline's time."""
+    """The one-row summary: the anchors' test set (else the last one), every metric, the published
+    figures and our baselines on it, the pipeline's time."""
     d = params.data
     named = [a["testset"] for a in anchors if a["testset"] in scores]
     testset = named[0] if named else list(scores)[-1]
     s = scores[testset]
-    published = ", ".join(f"{a['bleu']} {METRIC_NAMES.get(a['metric'], a['metric'])}" for a in anchors
-                          if a["testset"] == testset) or "none"
+    beside = [", ".join(f"{a['bleu']} {METRICS.get(a['metric'], a['metric'])}" for a in anchors
+                        if a["testset"] == testset and a["kind"] == kind) or "none" for kind in KINDS]
     total = sum(t["wall_s"] for t in timings.values())
-    row = [d.corpus, _direction(params), testset] + [s.get(m, "-") for m in METRIC_NAMES] + [published, _minutes(total)]
-    return _table(["corpus", "direction", "test set", *METRIC_NAMES.values(), "published", "pipeline wall time"], [row])
+    row = [d.corpus, _direction(params), testset] + [s.get(m, "-") for m in METRICS] + beside + [_minutes(total)]
+    return _table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
 
 
-def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]]) -> list[str]:
+def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], kind: str) -> list[str]:
+    """Our score beside each anchor of `kind`, in the anchor's metric."""
     rows = []
-    for a in anchors:
+    for a in (a for a in anchors if a["kind"] == kind):
         ours = scores.get(a["testset"], {}).get(a["metric"])
         diff = f"{ours - a['bleu']:+.2f}" if isinstance(ours, (int, float)) else "-"
-        rows.append([a["testset"], METRIC_NAMES.get(a["metric"], a["metric"]), a["bleu"], ours if ours is not None else "-",
+        rows.append([a["testset"], METRICS.get(a["metric"], a["metric"]), a["bleu"], ours if ours is not None else "-",
                      diff, a["how"], a["source"]])
     if not rows:
-        return ["No published figure is on record for this corpus and direction (transformer/anchors.yaml)."]
-    return _table(["test set", "metric", "published", "ours", "ours − published", "how the published figure was obtained",
-                   "source"], rows)
+        return [f"No {kind} figure is on record for this corpus and direction (transformer/anchors.yaml)."]
+    return _table(["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"], rows)
 
 
 def score_table(scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]]) -> list[str]:
-    rows = [[t, METRIC_NAMES.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"] for t, s in scores.items() for m, v in s.items()]
+    rows = [[t, METRICS.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"] for t, s in scores.items() for m, v in s.items()]
     return _table(["test set", "metric", "score", "sacreBLEU signature"], rows)
 
 
@@ -121,8 +123,12 @@ def section(params: Params, scores: dict[str, dict[str, Any]], signatures: dict[
             model: dict[str, Any], timings: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
             hardware: str, commit: str | None) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    baselines = any(a["kind"] == "baseline" for a in anchors)
     parts = [f"## {params.data.corpus} {_direction(params)}", "", *headline(params, scores, anchors, timings), "",
-             "Beside the published figures, each in the metric it was published with:", "", *comparison(scores, anchors), "",
+             "Beside the published figures, each in the metric it was published with:", "",
+             *comparison(scores, anchors, "published"), "",
+             *(["Beside our own baselines (other models trained by us, not published figures):", "",
+                *comparison(scores, anchors, "baseline"), ""] if baselines else []),
              "All scores:", "", *score_table(scores, signatures), "",
              "Recipe:", "", *recipe(params, model), "",
              "Wall time per stage (each stage's process, start-up included; DVC's own bookkeeping between stages is not):",

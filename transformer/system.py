@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from transformer.model import count_parameters, make_model
+
 
 def hardware() -> str:
     if torch.cuda.is_available():
@@ -24,16 +26,14 @@ def hardware() -> str:
 
 
 def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """Parameter count (shared weights once), size, steps and training time of a model file."""
-    seen, count = set(), 0
-    for tensor in ckpt["model"].values():
-        key = (tensor.untyped_storage().data_ptr(), tensor.shape)
-        if key not in seen:
-            seen.add(key)
-            count += tensor.numel()
+    """Parameter count, size, steps and training time of a model file. The count is the model's as
+    built from its config, where a tied embedding is one matrix: the file's weights would count it
+    once per name (source, target, generator), since averaging gives each name its own tensor."""
+    with torch.device("meta"):  # shapes only, no memory, no initialization work
+        count = count_parameters(make_model(**ckpt["model_config"]))
     c = ckpt["model_config"]
     train_time = ckpt.get("train_time_s")
     return {"model": f"N={c['N']}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
-            "parameters": f"{count / 1e6:.1f}M", "updates": ckpt.get("step"),
+            "parameters": f"{count / 1e6:.1f}M ({count:,})", "updates": ckpt.get("step"),
             "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",
             "averaged": ", ".join(ckpt.get("averaged", [])) or "no"}

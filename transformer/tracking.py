@@ -115,17 +115,12 @@ class Tracker:
             try:
                 for i in range(0, len(metrics), 1000):
                     self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-            except Exception as e:  # reported by flush()/end(), in the training thread
+            except Exception as e:  # reported by end(), in the training thread
                 self._error = e
             for _ in items:
                 self._queue.task_done()
             if any(item is None for item in items):
                 return
-
-    def flush(self) -> None:
-        self._queue.join()
-        if self._error is not None:
-            raise TrackingError(f"MLflow logging failed: {self._error}")
 
     def end(self, status: str = "FINISHED") -> None:
         self._queue.put(None)

@@ -22,7 +22,8 @@ def hardware() -> str:
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
                 break
-    return f"{os.cpu_count()} CPU cores ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what CPU speed depends on most
+    return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs
+from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_options, train_outputs
 from transformer import checkpoints
 
 # Dropout on, so that every rank draws random numbers; 600 pairs make 6 updates an epoch on 2 ranks.
@@ -40,8 +40,7 @@ def _write_params(directory: Path, **overrides) -> Path:
 
 
 def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), "--checkpoints", str(out / "ckpt"),
-            "--reports", str(out / "reports"), "--no-track"]
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out), "--no-track"]
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
@@ -165,7 +164,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from transformer.config import load_params
-from transformer.train import train
+from transformer.train import Outputs, train
 
 out = Path(sys.argv[1])
 
@@ -191,7 +190,9 @@ class Recorder:
     def end(self, status="FINISHED"): pass
 
 
-train(load_params(sys.argv[2]), Path(sys.argv[3]), out / "ckpt", out / "reports", Recorder)
+reports = out / "reports"
+outputs = Outputs(out / "ckpt", reports / "train_steps.tsv", reports / "train_epochs.tsv", reports / "train.json")
+train(load_params(sys.argv[2]), Path(sys.argv[3]), outputs, Recorder)
 (out / f"done.{os.environ['RANK']}").write_text("")
 '''
 
@@ -239,7 +240,7 @@ def test_validation_pair_longer_than_max_tokens_does_not_stop_the_first_epoch(tm
     assert int(torch.maximum(valid.src_lens, valid.tgt_lens).max()) > max_tokens, "the long pair must exceed max_tokens"
 
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_tokens": max_tokens}))
-    summary = train(params, tmp_path / "vocab", tmp_path / "ckpt", tmp_path / "reports")
+    summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["epochs"] == 1 and math.isfinite(summary["val_loss"])
 
 

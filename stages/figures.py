@@ -19,11 +19,11 @@ from transformer.config import load_params
 @click.option("--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run")
 @stage
 def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs: Path, out: Path, track: bool) -> None:
-    from transformer import checkpoints
+    from transformer.model import load_model
     from transformer.figures import draw_figures
 
     params = load_params(params_path)
-    model, ckpt = checkpoints.load_model(model_path)
+    model, ckpt = load_model(model_path)
     t = params.train
     paths = draw_figures(model, ckpt, source, steps, epochs, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)

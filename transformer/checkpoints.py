@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from transformer.io import DataError, atomic_path
-from transformer.model import Transformer, make_model
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 MODEL_KEYS = ("model", "model_config", "params", "vocab", "step")
@@ -43,18 +42,6 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
     if missing:
         raise DataError(f"{path}: checkpoint lacks {', '.join(missing)}")
     return checkpoint
-
-
-def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, Any]]:
-    """The model a file holds, built from its model_config with its weights, in eval mode, and the
-    checkpoint itself (vocabularies, params); weights that do not fit the config raise DataError."""
-    checkpoint = load(path)
-    model = make_model(**checkpoint["model_config"])
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:
-        raise DataError(f"{path}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
-    return model.to(device).eval(), checkpoint
 
 
 def listed(ckpt_dir: Path | str) -> list[Path]:

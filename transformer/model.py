@@ -1,13 +1,17 @@
-"""The encoder-decoder model (Figure 1) and its composition root, make_model."""
+"""The encoder-decoder model (Figure 1), its composition root make_model, and load_model for a saved one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from transformer import checkpoints
 from transformer.embeddings import Embeddings, PositionalEncoding
+from transformer.io import DataError
 from transformer.layers import Decoder, DecoderLayer, Encoder, EncoderLayer
 from transformer.packing import Packing
 
@@ -94,3 +98,15 @@ def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, 
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
     return model
+
+
+def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, Any]]:
+    """The model a file holds, built from its model_config with its weights, in eval mode, and the
+    checkpoint itself (vocabularies, params); weights that do not fit the config raise DataError."""
+    checkpoint = checkpoints.load(path)
+    model = make_model(**checkpoint["model_config"])
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:
+        raise DataError(f"{path}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
+    return model.to(device).eval(), checkpoint

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from transformer import checkpoints
 from transformer.io import DataError
+from transformer.model import load_model
 from transformer.search import beam_search
 from transformer.tokenize import Tokenizer, detokenize
 from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
@@ -18,7 +18,7 @@ from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
 class Translator:
     def __init__(self, model_path: Path | str, device: str | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, ckpt = checkpoints.load_model(model_path, self.device)
+        self.model, ckpt = load_model(model_path, self.device)
         self.src_vocab, self.tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
         self.params = ckpt["params"]
         self.path = Path(model_path)

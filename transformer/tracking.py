@@ -1,15 +1,15 @@
-"""MLflow tracking: one run per training, shared by the stages after it. mlflow is imported lazily."""
+"""MLflow tracking: a run per training, which the stages after it add their files to, and a run per
+evaluation (decode params and scores) nested under it. mlflow is imported lazily."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import queue
 import subprocess
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from transformer.errors import TrackingError
 
@@ -46,24 +46,29 @@ def git_commit() -> str | None:
 
 
 class Tracker:
-    """An MLflow run. Metrics are queued and sent in batches by a background thread, so the
-    training loop never waits on the tracking store."""
+    """An MLflow run. Metrics go through MLflow's asynchronous logging (its queue and threads), so the
+    training loop never waits on the tracking store; end() waits for them and reports a failure."""
 
-    def __init__(self, experiment: str, run_id: str | None = None, run_name: str | None = None):
+    def __init__(self, experiment: str, run_id: str | None = None, run_name: str | None = None,
+                 parent_run_id: str | None = None):
         import mlflow
         from mlflow.tracking import MlflowClient
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
         uri = tracking_uri()
         check_reachable(uri)
         mlflow.set_tracking_uri(uri)
         self.client = MlflowClient(uri)
         if run_id is None:
-            run_id = self.client.create_run(self._experiment_id(experiment), run_name=run_name).info.run_id
+            with _store_errors():
+                if parent_run_id:  # nested: in the parent's experiment, shown under it
+                    experiment_id = self.client.get_run(parent_run_id).info.experiment_id
+                    tags = {MLFLOW_PARENT_RUN_ID: parent_run_id}
+                else:
+                    experiment_id, tags = self._experiment_id(experiment), None
+                run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         self.run_id = run_id
-        self._queue: queue.Queue = queue.Queue()
-        self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
+        self._pending: list = []  # MLflow's RunOperations, waited for by end()
 
     @classmethod
     def attach(cls, run_id: str) -> Tracker:
@@ -80,58 +85,148 @@ class Tracker:
         return self.client.create_experiment(name, artifact_location=location)
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Params the run does not have yet (a resumed training logs them again); MLflow batches them."""
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
-        fresh = [Param(k, str(v)) for k, v in params.items() if k not in existing]
-        for i in range(0, len(fresh), 100):
-            self.client.log_batch(self.run_id, params=fresh[i:i + 100])
+        with _store_errors():
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items() if k not in existing])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
-            if v is not None:
-                self.client.set_tag(self.run_id, k, str(v))
+        from mlflow.entities import RunTag
+
+        with _store_errors():
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._queue.put((dict(metrics), step))
+        self.log_rows([metrics | {"step": step}])
 
-    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
-
-    def _drain(self) -> None:
+    def log_rows(self, rows: list[dict[str, float]]) -> None:
+        """Rows of metrics, each with its "step", as one batch that MLflow sends asynchronously."""
         import time
 
         from mlflow.entities import Metric
 
-        while True:
-            items = [self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get())
-            now = int(time.time() * 1000)
-            metrics = [Metric(k, float(v), now, step) for item in items if item for k, v in item[0].items() for step in [item[1]]]
-            try:
-                for i in range(0, len(metrics), 1000):
-                    self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-            except Exception as e:  # reported by end(), in the training thread
-                self._error = e
-            for _ in items:
-                self._queue.task_done()
-            if any(item is None for item in items):
-                return
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, int(row["step"])) for row in rows for k, v in row.items() if k != "step"]
+        self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def log_inputs(self, files: dict[str, tuple[Path, str]]) -> None:
+        """Corpus files as the run's dataset inputs, {name: (path, context)}, each with its sha256: in full
+        as the input's tag, its first 16 hex digits as the digest (MLflow holds at most 36)."""
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+        from mlflow.entities import DatasetInput, InputTag
+
+        from transformer.io import sha256_file
+
+        inputs = []
+        for name, (path, context) in files.items():
+            digest = sha256_file(path)
+            dataset = MetaDataset(LocalArtifactDatasetSource(str(path)), name=name, digest=digest[:16])
+            tags = [InputTag("mlflow.data.context", context), InputTag("sha256", digest)]
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
+        with _store_errors():
+            self.client.log_inputs(self.run_id, inputs)
+
+    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
+        with _store_errors():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with _store_errors():
+            self.client.log_text(self.run_id, text, artifact_file)
 
     def end(self, status: str = "FINISHED") -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self.client.set_terminated(self.run_id, status)
-        if self._error is not None and status == "FINISHED":
-            raise TrackingError(f"MLflow logging failed: {self._error}")
+        """Waits for the queued metrics, then closes the run; a failed write is an error unless the
+        run failed already."""
+        from mlflow.exceptions import MlflowException
+
+        error = None
+        for operation in self._pending:
+            try:
+                operation.wait()
+            except MlflowException as e:
+                error = error or e
+        self._pending.clear()
+        self.client.set_terminated(self.run_id, "FAILED" if error else status)
+        if error is not None and status == "FINISHED":
+            raise TrackingError(f"MLflow logging failed: {error}")
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """A tracking store that refuses a write: one clear error, not MLflow's traceback."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as e:
+        raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
+
+
+def dvc_exp_name() -> str | None:
+    """The experiment's name while `dvc exp run` runs the stage (DVC sets DVC_EXP_NAME), else None."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
+def run_name(what: str) -> str:
+    """'train' or 'evaluate beam=4 alpha=1.0', then the DVC experiment that ran it, if any."""
+    exp = dvc_exp_name()
+    return f"{what} · {exp}" if exp else what
+
+
+def log_to_training_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = None,
+                        texts: dict[str, str] | None = None) -> None:
+    """A later stage's files into the MLflow run of the training that made the model (`run_id`, from
+    the model file; nothing when that training was not tracked). artifacts: {directory: files};
+    texts: {artifact file: text}."""
+    if not run_id:
+        return
+    tracker = Tracker.attach(run_id)
+    for directory, paths in (artifacts or {}).items():
+        for path in paths:
+            tracker.log_artifact(path, directory)
+    for artifact_file, text in (texts or {}).items():
+        tracker.log_text(text, artifact_file)
+    tracker.end()
+
+
+def log_evaluation(training_run_id: str, what: str, params: dict[str, Any], metrics: dict[str, float], step: int,
+                   inputs: dict[str, tuple[Path, str]], artifacts: dict[str, list[Path]]) -> str:
+    """One evaluation of a trained model as a run of its own, nested under the training's run: the params
+    that made it, its scores, the corpus files it read ({name: (path, context)}) and the DVC experiment that
+    ran it. Returns its id."""
+    tracker = Tracker("", run_name=run_name(what), parent_run_id=training_run_id)
+    try:
+        tracker.log_params(params)
+        tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit()})
+        tracker.log_inputs(inputs)
+        tracker.log_metrics(metrics, step)
+        for directory, paths in artifacts.items():
+            for path in paths:
+                tracker.log_artifact(path, directory)
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    tracker.end()
+    return tracker.run_id
 
 
 def experiment_name(corpus: str, src_lang: str, tgt_lang: str) -> str:
     return f"{corpus}-{src_lang}-{tgt_lang}"
+
+
+def runs_table_url(params_path: Path | str, ui: str) -> str:
+    """The MLflow UI's runs table for the recipe in params_path (MLflow 3 opens on its GenAI overview);
+    the experiments list until a training has created the experiment."""
+    from mlflow.tracking import MlflowClient
+
+    from transformer.config import load_params
+
+    d = load_params(params_path).data
+    found = MlflowClient(tracking_uri()).get_experiment_by_name(experiment_name(d.corpus, d.src_lang, d.tgt_lang))
+    return f"{ui}/#/experiments/{found.experiment_id}/runs" if found else f"{ui}/#/experiments"
 
 
 def installed_versions() -> dict[str, str]:

@@ -258,10 +258,11 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
         return None
     d = params.data
     tracker = tracker_factory(tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id,
-                              os.environ.get("DVC_EXP_NAME"))
+                              tracking.run_name("train"))
     progress.mlflow_run_id = tracker.run_id
-    tracker.log_params(flatten(params) | tracking.installed_versions())
-    tracker.set_tags({"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
+    trained_by = {k: v for k, v in flatten(params).items() if k.split(".")[0] in TRAIN_SECTIONS}  # evaluations log the rest
+    tracker.log_params(trained_by | tracking.installed_versions())
+    tracker.set_tags({"git_commit": tracking.git_commit(), "dvc_exp_name": tracking.dvc_exp_name(),
                       "corpus": d.corpus, "direction": f"{d.src_lang}-{d.tgt_lang}"})
     return tracker
 
@@ -372,8 +373,7 @@ class _Loop:
         if self.env.main:
             self.progress.steps.extend(rows)
             if self.tracker:
-                for row in rows:
-                    self.tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+                self.tracker.log_rows(rows)
         last = rows[-1]
         return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
 

@@ -20,12 +20,10 @@ def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
     model = checkpoints.average_checkpoints(ckpt_dir, last_k)
     checkpoints.save(out, model)
     click.echo(f"averaged {', '.join(model['averaged'])} into {out}", err=True)
-    if track and model.get("mlflow_run_id"):
-        from transformer.tracking import Tracker
+    if track:
+        from transformer.tracking import log_to_training_run
 
-        tracker = Tracker.attach(model["mlflow_run_id"])
-        tracker.log_artifact(out, "model")
-        tracker.end()
+        log_to_training_run(model.get("mlflow_run_id"), {"model": [out]})
 
 
 if __name__ == "__main__":

@@ -27,13 +27,10 @@ def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs:
     t = params.train
     paths = draw_figures(model, ckpt, source, steps, epochs, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)
-    if track and ckpt.get("mlflow_run_id"):
-        from transformer.tracking import Tracker
+    if track:
+        from transformer.tracking import log_to_training_run
 
-        tracker = Tracker.attach(ckpt["mlflow_run_id"])
-        for path in paths:
-            tracker.log_artifact(path, "figures")
-        tracker.end()
+        log_to_training_run(ckpt.get("mlflow_run_id"), {"figures": paths})
 
 
 if __name__ == "__main__":

@@ -34,12 +34,10 @@ def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, ti
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))
-    if track and model.get("mlflow_run_id"):
-        from transformer.tracking import Tracker
+    if track:
+        from transformer.tracking import log_to_training_run
 
-        tracker = Tracker.attach(model["mlflow_run_id"])
-        tracker.log_text(body, "reports/reproduction.md")
-        tracker.end()
+        log_to_training_run(model.get("mlflow_run_id"), texts={"reports/reproduction.md": body})
     click.echo(f"{out}: section {key} written", err=True)
 
 

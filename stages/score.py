@@ -1,4 +1,5 @@
-"""Stage score: every decoded test set against its reference; metrics, a Markdown table, MLflow."""
+"""Stage score: every decoded test set against its reference; metrics, a Markdown table, and an MLflow
+run of this evaluation nested under the training's."""
 
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from transformer.io import write_json, write_text
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="scores JSON (DVC metrics)")
 @click.option("--signatures", "signatures_path", required=True, type=click.Path(path_type=Path), help="JSON sacreBLEU signature per test set and metric")
 @click.option("--table", required=True, type=click.Path(path_type=Path), help="scores Markdown")
-@click.option("--track/--no-track", default=True, show_default=True, help="log into the training's MLflow run")
+@click.option("--track/--no-track", default=True, show_default=True, help="log an MLflow run of its own, nested under the training's")
 @stage
 def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, signatures_path: Path, table: Path, track: bool) -> None:
     from transformer import checkpoints
@@ -30,20 +31,30 @@ def main(params_path: Path, translations: Path, references: Path, model_path: Pa
               for t in params.decode.testsets}
     model = checkpoints.load(model_path)
     meta = describe_model(model) | {"hardware": hardware()}
-    write_json(out, {t: values(s) for t, s in scores.items()})
+    scored = {t: values(s) for t, s in scores.items()}
+    write_json(out, scored)
     write_json(signatures_path, {t: signatures(s) for t, s in scores.items()})
     write_text(table, markdown_report(scores, meta))
-    for t, s in scores.items():
-        click.echo(f"{t}: " + ", ".join(f"{k} {v}" for k, v in values(s).items()), err=True)
+    for t, v in scored.items():
+        click.echo(f"{t}: " + ", ".join(f"{k} {x}" for k, x in v.items()), err=True)
     if track and model.get("mlflow_run_id"):
-        from transformer.tracking import Tracker
+        _log_evaluation(params, model, scored, translations, references, table)
 
-        tracker = Tracker.attach(model["mlflow_run_id"])
-        tracker.log_metrics({f"{t}_{k}": v for t, s in scores.items() for k, v in values(s).items()}, model["step"])
-        for t in scores:
-            tracker.log_artifact(translations / f"{t}.txt", "translations")
-        tracker.log_artifact(table, "reports")
-        tracker.end()
+
+def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path,
+                    table: Path) -> None:
+    """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files."""
+    from transformer.config import flatten
+    from transformer.tracking import log_evaluation
+
+    d = params.data
+    contexts = {"train": "training", d.valid: "validation"} | {t: "evaluation" for t in scored}
+    inputs = {f"{d.corpus}/{split}.{lang}": (references / f"{split}.{lang}", context)
+              for split, context in contexts.items() for lang in (d.src_lang, d.tgt_lang)}
+    run_params = {k: v for k, v in flatten(params).items() if k.startswith(("decode.", "average."))}
+    log_evaluation(model["mlflow_run_id"], f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}",
+                   run_params, {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()}, model["step"], inputs,
+                   {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]})
 
 
 if __name__ == "__main__":

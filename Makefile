@@ -20,8 +20,13 @@ repro: $(VENV)/.installed
 test: $(VENV)/.installed
 	python -m pytest -q
 
+# The runs table of params.yaml's experiment: a run per training, its evaluations nested under it.
+UI_HOST ?= 127.0.0.1
+UI_PORT ?= 5000
 ui: $(VENV)/.installed
-	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+	@MLFLOW_TRACKING_URI=sqlite:///$(CURDIR)/mlflow.db python -c 'from transformer.tracking import runs_table_url; \
+	print("runs table:", runs_table_url("params.yaml", "http://$(UI_HOST):$(UI_PORT)"))'
+	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host $(UI_HOST) --port $(UI_PORT)
 
 bench: $(VENV)/.installed
 	python bench/bench.py

@@ -26,6 +26,7 @@ GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
 DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures",
                        "report"}
 
+TOY_BLEU_FLOOR = 0  # set from a measured baseline below
 pytestmark = pytest.mark.slow
 
 
@@ -63,6 +64,41 @@ def _with_warmup(repo: Path, warmup: int) -> list[dict]:
     return [e for e in _experiments(repo) if e["params"].get("train", {}).get("warmup") == warmup]
 
 
+def _named(repo: Path, section: str, key: str, value) -> dict:
+    """The one named experiment of `dvc exp show` whose params have section.key == value."""
+    (exp,) = [e for e in _experiments(repo) if e["name"] and e["params"].get(section, {}).get(key) == value]
+    return exp
+
+
+def _mlflow_runs(repo: Path) -> dict[str, object]:
+    """run id -> run, every run of the toy experiment in the repo's mlflow.db."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
+    return {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
+
+
+def _history(repo: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a run with all its logged (step, value) pairs."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    keys = client.get_run(run_id).data.metrics
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
+
+
+def _assert_evaluation_run(run, training_run_id: str, exp: dict, param: str, value) -> None:
+    """An evaluation's own run: nested under the training's, with the experiment's param, name and scores."""
+    assert run.data.tags["mlflow.parentRunId"] == training_run_id
+    assert run.data.params[param] == str(value)
+    assert run.data.tags["dvc_exp_name"] == exp["name"]
+    assert run.info.run_name.startswith("evaluate ") and exp["name"] in run.info.run_name
+    for testset, scores in exp["scores"].items():
+        assert run.data.metrics[f"{testset}_bleu"] == scores["bleu"]
+        assert run.data.metrics[f"{testset}_chrf"] == scores["chrf"]
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> Path:
     """The toy project after one `dvc repro`, everything (dvc.lock, reports) committed."""
@@ -80,32 +116,63 @@ def repo(baseline: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _training_run_id(runs: dict) -> str:
+    (found,) = [i for i, r in runs.items() if "mlflow.parentRunId" not in r.data.tags]
+    return found
+
+
 def test_exp_run_reruns_train_and_downstream_only_and_exp_show_lists_it(repo):
     out = run([DVC, "exp", "run", "-S", "train.warmup=50"], repo, timeout=300).stdout
     assert _ran(out) == DOWNSTREAM_OF_TRAIN, out
-    (exp,) = [e for e in _with_warmup(repo, 50) if e["name"]]
-    assert exp["scores"]["test2016"]["bleu"] >= 0 and set(exp["scores"]) == {"val", "test2016"}
+    exp = _named(repo, "train", "warmup", 50)
+    assert exp["scores"] == json.loads((repo / "reports/scores.json").read_text())
+    assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
     baselines = _with_warmup(repo, 100)
     assert baselines and all(b["scores"] != exp["scores"] for b in baselines)
     changed = run([DVC, "exp", "show", "--only-changed", "--csv"], repo).stdout.splitlines()[0]
     assert "train.warmup" in changed and "model.d_model" not in changed
 
 
-def test_queued_experiment_runs_after_queue_start(repo):
-    run([DVC, "exp", "run", "--queue", "-S", "train.warmup=60"], repo)
-    assert not [e for e in _with_warmup(repo, 60) if e["scores"]]  # queued, not run
-    run([DVC, "queue", "start"], repo)
+def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_training_run(repo):
+    before = _mlflow_runs(repo)
+    training = _training_run_id(before)
+    history = _history(repo, training)
+    out = run([DVC, "exp", "run", "-S", "decode.beam=1"], repo, timeout=300).stdout
+    assert _ran(out) == {"decode@val", "decode@test2016", "score", "report"}, out
+    exp = _named(repo, "decode", "beam", 1)
+    assert exp["scores"] == json.loads((repo / "reports/scores.json").read_text())
+    assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
+    after = _mlflow_runs(repo)
+    (evaluation,) = [after[i] for i in after.keys() - before.keys()]
+    _assert_evaluation_run(evaluation, training, exp, "decode.beam", 1)
+    assert _history(repo, training) == history  # no score lands in the training's curves
+    assert not [k for k in after[training].data.params if k.startswith("decode.")]
+
+    inputs = {d.dataset.name: d for d in evaluation.inputs.dataset_inputs}
+    assert set(inputs) == {f"toy/{split}.{lang}" for split in ("train", "val", "test2016") for lang in ("de", "en")}
+    reference = inputs["toy/test2016.en"]
+    digest = hashlib.sha256((repo / "data/raw/test2016.en").read_bytes()).hexdigest()
+    assert reference.dataset.digest == digest[:16]
+    assert {t.key: t.value for t in reference.tags} == {"mlflow.data.context": "evaluation", "sha256": digest}
+
+
+def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and_scores(repo):
+    before = _mlflow_runs(repo)
+    for beam in (1, 3):
+        run([DVC, "exp", "run", "--queue", "-S", f"decode.beam={beam}"], repo)
+    assert not [e for e in _experiments(repo) if e["params"]["decode"]["beam"] != 2 and e["scores"]]  # queued, not run
     try:
-        deadline = time.monotonic() + 240
-        while not [e for e in _with_warmup(repo, 60) if e["scores"]]:
-            status = run([DVC, "queue", "status"], repo, check=False).stdout
-            assert "Failed" not in status, status
-            assert time.monotonic() < deadline, f"queued experiment not done in 240 s:\n{status}"
-            time.sleep(5)
+        run([DVC, "exp", "run", "--run-all"], repo, timeout=500)  # runs the queue and waits for every result
     finally:
         run([DVC, "queue", "stop"], repo, check=False)
-    (exp,) = [e for e in _with_warmup(repo, 60) if e["scores"]]
-    assert set(exp["scores"]) == {"val", "test2016"}
+    after = _mlflow_runs(repo)
+    new = [after[i] for i in after.keys() - before.keys()]
+    assert len(new) == 2, [r.info.run_name for r in new]
+    for beam in (1, 3):
+        exp = _named(repo, "decode", "beam", beam)
+        assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
+        (evaluation,) = [r for r in new if r.data.params["decode.beam"] == str(beam)]
+        _assert_evaluation_run(evaluation, _training_run_id(before), exp, "decode.beam", beam)
 
 
 def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
@@ -113,13 +180,16 @@ def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
 
     out = run([DVC, "exp", "run", "--temp", "-S", "train.warmup=70"], repo, timeout=300)
     assert _ran(out.stdout) == DOWNSTREAM_OF_TRAIN, out.stdout
-    assert [e for e in _with_warmup(repo, 70) if e["scores"]]
+    exp = _named(repo, "train", "warmup", 70)
+    assert exp["name"] in out.stdout + out.stderr
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
-    (mlflow_run,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
-    assert mlflow_run.data.tags.get("dvc_exp_name") and mlflow_run.data.tags["dvc_exp_name"] in out.stdout + out.stderr
-    assert mlflow_run.data.metrics["test2016_bleu"] >= 0
-    assert {"model", "translations", "figures"} <= {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
+    (training,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
+    assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"
+    (evaluation,) = [r for r in _mlflow_runs(repo).values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
+    _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
+    assert {"model", "figures", "vocab"} <= {a.path for a in client.list_artifacts(training.info.run_id)}
+    assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
 
 
 def test_pushed_model_is_pulled_into_a_fresh_clone_without_retraining(repo, tmp_path):
@@ -188,17 +258,23 @@ def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
 
     experiments = _api(uri, "experiments/search", {"max_results": 100})["experiments"]
     (experiment,) = [e for e in experiments if e["name"] == "toy-de-en"]
-    (found,) = _api(uri, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+    runs = _api(uri, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    ((found, _), (evaluation, evaluation_tags)) = sorted(zip(runs, tags), key=lambda rt: "mlflow.parentRunId" in rt[1])
     run_id = found["info"]["run_id"]
+    assert evaluation_tags["mlflow.parentRunId"] == run_id
     params = {p["key"]: p["value"] for p in found["data"]["params"]}
     metrics = {m["key"]: m["value"] for m in found["data"]["metrics"]}
-    assert params["model.d_model"] == "32" and params["train.warmup"] == "100"
-    assert metrics["test2016_bleu"] >= 0 and "val_loss" in metrics
+    assert params["model.d_model"] == "32" and params["train.warmup"] == "100" and "val_loss" in metrics
+    scored = {m["key"]: m["value"] for m in evaluation["data"]["metrics"]}
+    assert scored["test2016_bleu"] == json.loads((repo / "reports/scores.json").read_text())["test2016"]["bleu"]
     loss = _api(uri, "metrics/get-history", run_id=run_id, metric_key="loss", max_results=10000)["metrics"]
     val_loss = _api(uri, "metrics/get-history", run_id=run_id, metric_key="val_loss")["metrics"]
     assert len(loss) > 20 and len(val_loss) == 2
     listed = {f["path"] for f in _api(uri, "artifacts/list", run_id=run_id).get("files", [])}
-    assert {"model", "translations", "figures", "vocab"} <= listed
+    assert {"model", "figures", "vocab"} <= listed
+    evaluated = {f["path"] for f in _api(uri, "artifacts/list", run_id=evaluation["info"]["run_id"]).get("files", [])}
+    assert {"translations", "reports"} <= evaluated
     figures = {f["path"] for f in _api(uri, "artifacts/list", run_id=run_id, path="figures")["files"]}
     assert "figures/lr_schedule.png" in figures
     stored = {p.name for p in artifacts_dir.rglob("*") if p.is_file()}  # went through the server, into its store

@@ -33,7 +33,7 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
                      input_text="kan pen.\n\nbin don.\n")
     assert translated.stdout.splitlines() == ["ak ep.", "", "ib od."]
 
-    _assert_mlflow_run_has_curves_and_scores(repo)
+    _assert_mlflow_runs_have_curves_and_scores(repo, scores)
 
     again = run([DVC, "repro"], repo)
     assert "Running stage" not in again.stdout
@@ -61,20 +61,25 @@ def _assert_report_has_every_stage_and_score(repo, scores):
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
 
 
-def _assert_mlflow_run_has_curves_and_scores(repo):
+def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
+    """The training's run holds params and curves; the evaluation's, nested under it, the scores."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
-    (run_,) = client.search_runs([experiment.experiment_id])
+    runs = client.search_runs([experiment.experiment_id])
+    (run_,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    (evaluation,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run_.info.run_id]
     assert run_.data.params["model.d_model"] == "32" and "version.torch" in run_.data.params
     assert len(client.get_metric_history(run_.info.run_id, "loss")) > 20
     assert client.get_metric_history(run_.info.run_id, "val_loss")
-    assert run_.data.metrics["test2016_bleu"] > 80
+    assert "test2016_bleu" not in run_.data.metrics and "decode.beam" not in run_.data.params
+    assert evaluation.data.metrics["test2016_bleu"] == scores["test2016"]["bleu"]
+    assert evaluation.data.params["decode.beam"] == "2"
     assert run_.data.tags["direction"] == "de-en"
-    artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
-    assert {"model", "translations", "reports", "vocab", "checkpoints"} <= artifacts
+    assert {"model", "reports", "vocab", "checkpoints"} <= {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert "reproduction.md" in {a.path.split("/")[-1] for a in client.list_artifacts(run_.info.run_id, "reports")}
+    assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
 
 
 @pytest.mark.slow

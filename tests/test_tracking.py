@@ -1,0 +1,107 @@
+"""MLflow tracking against a local sqlite store: asynchronous metrics, evaluation runs nested under the
+training's, corpus files as dataset inputs, the UI's runs table."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_params
+
+from transformer.errors import TrackingError
+
+EXPERIMENT = "tracking-tests"  # not the toy recipe's, which the runs-table test creates
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """One sqlite store for the module: creating MLflow's tables takes seconds."""
+    return tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+
+
+@pytest.fixture
+def tracking(store, monkeypatch):
+    from transformer import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("DVC_ROOT", str(store.parent))  # artifacts beside the store, not in the checkout
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    return tracking
+
+
+def _client(store: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{store}")
+
+
+def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, store):
+    tracker = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
+    rows = [{"step": s, "loss": 1.0 / s, "lr": s * 1e-4} for s in range(1, 61)]
+    for i in range(0, 60, 20):  # as train.py sends them: a tick's rows at once
+        tracker.log_rows(rows[i:i + 20])
+    tracker.end()
+    run = _client(store).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "train"
+    history = _client(store).get_metric_history(tracker.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(r["step"], r["loss"]) for r in rows]
+
+
+def test_a_metric_the_store_refuses_fails_the_run_when_it_ends(tracking, store):
+    tracker = tracking.Tracker(EXPERIMENT)
+    tracker.log_metrics({"x" * 300: 1.0}, 1)  # longer than a metric key may be: refused by the store, later
+    with pytest.raises(TrackingError, match="MLflow logging failed"):
+        tracker.end()
+    assert _client(store).get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_and_corpus_files(tracking, store, tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.setenv("DVC_EXP_NAME", "bushy-lynx")
+    training = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
+    training.end()
+    test, train = tmp_path / "test2016.en", tmp_path / "train.en"
+    test.write_text("a b.\n")
+    train.write_text("c d.\n")
+    run_id = tracking.log_evaluation(training.run_id, "evaluate beam=3 alpha=1.0", {"decode.beam": 3},
+                                     {"test2016_bleu": 12.5}, 40,
+                                     {"toy/test2016.en": (test, "evaluation"), "toy/train.en": (train, "training")},
+                                     {"translations": [test]})
+    run = _client(store).get_run(run_id)
+    assert run.info.run_name == "evaluate beam=3 alpha=1.0 · bushy-lynx"
+    assert run.info.experiment_id == _client(store).get_run(training.run_id).info.experiment_id
+    assert run.data.tags["mlflow.parentRunId"] == training.run_id and run.data.tags["dvc_exp_name"] == "bushy-lynx"
+    assert run.data.params == {"decode.beam": "3"} and run.data.metrics == {"test2016_bleu": 12.5}
+    assert [(m.step, m.value) for m in _client(store).get_metric_history(run_id, "test2016_bleu")] == [(40, 12.5)]
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    digest = hashlib.sha256(test.read_bytes()).hexdigest()
+    assert inputs["toy/test2016.en"].dataset.digest == digest[:16]
+    assert {t.key: t.value for t in inputs["toy/test2016.en"].tags} == {"mlflow.data.context": "evaluation", "sha256": digest}
+    assert {t.key: t.value for t in inputs["toy/train.en"].tags}["mlflow.data.context"] == "training"
+    assert [a.path for a in _client(store).list_artifacts(run_id, "translations")] == ["translations/test2016.en"]
+    assert _client(store).get_run(training.run_id).data.metrics == {}  # the training's run is left as it was
+
+
+def test_a_later_stage_adds_its_files_to_the_training_run_and_nothing_when_untracked(tracking, store, tmp_path):
+    training = tracking.Tracker(EXPERIMENT)
+    training.end()
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"weights")
+    tracking.log_to_training_run(training.run_id, {"model": [model]}, {"reports/reproduction.md": "# toy\n"})
+    client = _client(store)
+    assert [a.path for a in client.list_artifacts(training.run_id, "model")] == ["model/model.pt"]
+    assert [a.path for a in client.list_artifacts(training.run_id, "reports")] == ["reports/reproduction.md"]
+    assert client.get_run(training.run_id).info.status == "FINISHED"
+    tracking.log_to_training_run(None, {"model": [tmp_path / "absent.pt"]})  # trained untracked: nothing is read
+
+
+def test_runs_table_url_names_the_recipes_experiment(tracking, store, tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(tiny_params()))
+    assert tracking.runs_table_url(params, "http://h:1") == "http://h:1/#/experiments"  # no toy-de-en run yet
+    tracking.Tracker("toy-de-en").end()
+    experiment = _client(store).get_experiment_by_name("toy-de-en")
+    assert tracking.runs_table_url(params, "http://h:1") == f"http://h:1/#/experiments/{experiment.experiment_id}/runs"

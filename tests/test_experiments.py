@@ -26,7 +26,9 @@ GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
 DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures",
                        "report"}
 
-TOY_BLEU_FLOOR = 0  # set from a measured baseline below
+# The module's baseline trains 2 epochs (58 updates) to keep the suite short: test2016 BLEU 0.4-0.6
+# (measured), so the floor only says the model matched something; test_pipeline's 20-epoch run checks > 80.
+TOY_BLEU_FLOOR = 0
 pytestmark = pytest.mark.slow
 
 
@@ -70,12 +72,12 @@ def _named(repo: Path, section: str, key: str, value) -> dict:
     return exp
 
 
-def _mlflow_runs(repo: Path) -> dict[str, object]:
-    """run id -> run, every run of the toy experiment in the repo's mlflow.db."""
+def _mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
+    """run id -> run, every run of an MLflow experiment in the repo's mlflow.db."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
+    (experiment,) = [e for e in client.search_experiments() if e.name == name]
     return {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
 
 
@@ -162,7 +164,7 @@ def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and
         run([DVC, "exp", "run", "--queue", "-S", f"decode.beam={beam}"], repo)
     assert not [e for e in _experiments(repo) if e["params"]["decode"]["beam"] != 2 and e["scores"]]  # queued, not run
     try:
-        run([DVC, "exp", "run", "--run-all"], repo, timeout=500)  # runs the queue and waits for every result
+        run([DVC, "exp", "run", "--run-all"], repo, timeout=560)  # runs the queue and waits for every result
     finally:
         run([DVC, "queue", "stop"], repo, check=False)
     after = _mlflow_runs(repo)
@@ -352,8 +354,11 @@ def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, buil
     assert "sha256 not pinned" in result.stderr + result.stdout
     scores = json.loads((repo / "reports/scores.json").read_text())
     assert set(scores) == testsets
-    assert all(0 <= s["bleu"] <= 100 for s in scores.values())
     data = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())["data"]
+    (evaluation,) = [r for r in _mlflow_runs(repo, f"{data['corpus']}-{data['src_lang']}-{data['tgt_lang']}").values()
+                     if "mlflow.parentRunId" in r.data.tags]
+    assert {k: v for k, v in evaluation.data.metrics.items() if k.endswith("_bleu")} == \
+        {f"{t}_bleu": s["bleu"] for t, s in scores.items()}  # the preset's test sets, scored and logged
     test = sorted(testsets - {"val"})[0]
     raw = repo / "data/raw"
     assert len((raw / f"train.{data['src_lang']}").read_text().splitlines()) == 1200  # tags dropped, archives joined

@@ -19,8 +19,8 @@ from transformer.config import load_params
 @click.option("--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run")
 @stage
 def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs: Path, out: Path, track: bool) -> None:
-    from transformer.model import load_model
     from transformer.figures import draw_figures
+    from transformer.model import load_model
 
     params = load_params(params_path)
     model, ckpt = load_model(model_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer.batching import ParallelCorpus, epoch_steps, token_batches
+from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
 from transformer.io import DataError
 from transformer.vocab import BOS, EOS, PAD
 
@@ -113,3 +113,30 @@ def test_batch_keeps_the_requested_order(tmp_path):
 def test_missing_corpus_file_names_the_stage(tmp_path):
     with pytest.raises(DataError, match="build_vocab"):
         ParallelCorpus(tmp_path / "absent.pt")
+
+
+def test_training_split_without_bpe_dropout_is_build_vocabs_ids_in_every_epoch(vocab_dir):
+    split = TrainingSplit(ParallelCorpus(vocab_dir / "train.pt"))
+    stored = torch.load(vocab_dir / "train.pt", weights_only=True)
+    for epoch in (0, 1, 7):
+        corpus = split.epoch(epoch)
+        assert corpus is split.fixed
+        assert torch.equal(corpus.src, stored["src"]) and torch.equal(corpus.tgt_off, stored["tgt_offsets"])
+
+
+def _sampled_split(vocab_dir, dropout: float, seed: int = 1) -> TrainingSplit:
+    from transformer.vocab import load_vocabs
+
+    tok = vocab_dir.parent / "tok"
+    lines = tuple((tok / f"train.{lang}").read_text(encoding="utf-8").splitlines() for lang in ("de", "en"))
+    return TrainingSplit(ParallelCorpus(vocab_dir / "train.pt"), load_vocabs(vocab_dir)[0], lines, dropout, seed)
+
+
+def test_training_split_with_bpe_dropout_resegments_each_epoch_repeatably(vocab_dir):
+    split = _sampled_split(vocab_dir, 0.2)
+    first, again, second = split.epoch(0), _sampled_split(vocab_dir, 0.2).epoch(0), split.epoch(1)
+    assert torch.equal(first.src, again.src) and torch.equal(first.tgt_off, again.tgt_off)  # same (seed, epoch)
+    assert not torch.equal(first.tgt_lens, second.tgt_lens)  # the next epoch cuts the words elsewhere
+    assert not torch.equal(first.src_lens, _sampled_split(vocab_dir, 0.2, seed=2).epoch(0).src_lens)  # other seed
+    assert len(first) == len(split.fixed) and len(first.tgt) > len(split.fixed.tgt)
+    assert (first.src_lens >= split.fixed.src_lens).all()

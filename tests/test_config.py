@@ -151,6 +151,8 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("score", "metrics", ["bleu", "meteor"]),
         ("report", "label", "long run"),
         ("report", "label", "x-->"),
+        ("train", "bpe_dropout", 1.0),
+        ("train", "bpe_dropout", -0.1),
     ],
 )
 def test_out_of_range_value_is_rejected_by_key(section, key, value):
@@ -178,6 +180,19 @@ def test_tied_embeddings_with_word_vocabulary_is_rejected():
     assert "model.tie_embeddings" in str(e.value)
     raw["model"]["tie_embeddings"] = False
     assert params_from_dict(raw).vocab.kind == "word"
+
+
+def test_bpe_dropout_with_word_vocabulary_is_rejected():
+    raw = _with("vocab", "kind", "word")
+    raw["model"]["tie_embeddings"] = False
+    raw["train"]["bpe_dropout"] = 0.1
+    with pytest.raises(ConfigError, match="vocab.kind: bpe") as e:
+        params_from_dict(raw)
+    assert "train.bpe_dropout" in str(e.value)
+    raw["train"]["bpe_dropout"] = 0.0
+    assert params_from_dict(raw).train.bpe_dropout == 0.0
+    raw["vocab"]["kind"], raw["model"]["tie_embeddings"], raw["train"]["bpe_dropout"] = "bpe", True, 0.1
+    assert params_from_dict(raw).train.bpe_dropout == 0.1
 
 
 def test_averaging_more_checkpoints_than_kept_is_rejected():

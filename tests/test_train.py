@@ -156,6 +156,68 @@ def test_killed_training_resumes_to_bit_identical_weights(tmp_path, uninterrupte
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
 
 
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
+    from conftest import write_toy_corpus
+    from transformer.tokenize import tokenize_corpus
+    from transformer.vocab import build_vocabs
+
+    tmp = tmp_path_factory.mktemp("sampled")
+    raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
+    tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
+    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
+                                   "train.bpe_dropout": 0.1, "train.cooldown": 0.3})
+
+    def cmd(out: Path) -> list[str]:
+        return [sys.executable] + _train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
+
+    result = run(cmd(tmp / "out"), ROOT)
+    return cmd, tmp / "tok", tmp / "out", result.stderr
+
+
+def test_bpe_dropout_resegments_every_epoch_and_cools_down_to_the_last_update(sampled):
+    _, _, out, stderr = sampled
+    assert stderr.count("BPE-dropout 0.1 segmented 600 pairs") == 3
+    rows = [line.split("\t") for line in (out / "reports" / "train_steps.tsv").read_text().splitlines()[1:]]
+    steps, lrs = [int(r[0]) for r in rows], [float(r[2]) for r in rows]
+    total = steps[-1]
+    assert steps == list(range(1, total + 1))
+    # the last epoch planned with its own length: the cooldown ends exactly at the last update
+    assert lrs[-1] == pytest.approx(rate(total, 32, 1.0, 100, total, 0.3), rel=1e-5)
+
+
+def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, sampled):
+    """Killed in a later epoch, the rerun must cut that epoch's words as the first run did."""
+    cmd, _, reference, _ = sampled
+    interrupted = tmp_path / "interrupted"
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen(cmd(interrupted), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(int(p.stem.split("_")[1]) >= 24 for p in checkpoints.listed(interrupted / "ckpt")):
+        time.sleep(0.02)
+    time.sleep(0.05)  # ~20 updates an epoch: killed inside the second
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = checkpoints.load(checkpoints.listed(interrupted / "ckpt")[-1])
+    assert killed_at["epoch"] >= 1, "killed before the second epoch: nothing to resegment"
+    assert killed_at["step"] < checkpoints.load(checkpoints.listed(reference / "ckpt")[-1])["step"], "killed too late"
+
+    result = run(cmd(interrupted), ROOT)
+    assert "resuming from" in result.stderr
+    expected, actual = _final_weights(reference), _final_weights(interrupted)
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def test_bpe_dropout_without_the_tokenized_text_stops_before_training(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.bpe_dropout": 0.1})
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
+    assert result.returncode == 1
+    assert "train.bpe_dropout" in result.stderr and "--tokenized" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_changed_params_start_afresh_instead_of_resuming(tmp_path, vocab_dir):
     out = tmp_path / "out"
     run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1}), vocab_dir, out), ROOT)

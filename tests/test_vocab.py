@@ -11,8 +11,9 @@ import torch
 from transformer.batching import ParallelCorpus
 from transformer.io import DataError
 from transformer.tokenize import JOINER
-from transformer.vocab import (BOS, EOS, PAD, SPECIALS, UNK, BpeVocab, WordVocab, build_vocabs, encode_corpus,
-                               fingerprint, load_vocabs, vocab_from_state)
+from transformer import vocab as vocab_module
+from transformer.vocab import (BOS, EOS, PAD, SPECIALS, UNK, BpeDropout, BpeVocab, WordVocab, build_vocabs, encode_corpus,
+                               fingerprint, load_vocabs, sample_corpus, vocab_from_state)
 
 WORDS = "der die das ein eine Mann Frau Hund läuft spielt the a man woman dog runs plays football".split()
 
@@ -163,3 +164,69 @@ def test_build_vocabs_word_writes_separate_vocabularies(tmp_path):
 def test_load_vocabs_without_vocab_file_names_the_stage(tmp_path):
     with pytest.raises(DataError, match="build_vocab"):
         load_vocabs(tmp_path)
+
+
+def test_bpe_dropout_samples_other_segmentations_of_the_same_text(bpe):
+    lines = _synthetic(200, seed=5)
+    dropout, rng = BpeDropout(bpe), random.Random(11)
+    sampled = [dropout.encode(line, 0.3, rng) for line in lines]
+    changed = sum(s != bpe.encode(line) for s, line in zip(sampled, lines))
+    assert changed > 100  # most lines hold several merges; p = 0.3 skips some of them
+    assert all(len(s) >= len(bpe.encode(line)) for s, line in zip(sampled, lines))  # skipped merges: more pieces
+    assert [bpe.decode(s) for s in sampled] == lines  # the same text, cut elsewhere
+    assert all(UNK not in s for s in sampled)
+
+
+def test_bpe_dropout_zero_segments_exactly_as_sentencepiece(bpe):
+    """Our merge loop replays sentencepiece's: also on unknown characters and stray spaces."""
+    lines = _synthetic(300, seed=9) + ["der ☃☃ Hund ☃", "  die  Frau ", "", "x"]
+    dropout = BpeDropout(bpe)
+    assert [dropout.encode(line, 0.0, random.Random(0)) for line in lines] == [bpe.encode(line) for line in lines]
+
+
+def test_bpe_dropout_rate_matches_sentencepieces_sampler(bpe):
+    """Skipping merges with sentencepiece's own sampler lengthens the text as much as ours."""
+    lines = _synthetic(2000, seed=10)
+    fixed = sum(len(bpe.encode(line)) for line in lines)
+    ours = sum(len(ids) for ids in BpeDropout(bpe).encode_many(lines, 0.2, random.Random(3)))
+    theirs = sum(len(ids) for ids in bpe.sp.encode(lines, enable_sampling=True, alpha=0.2, nbest_size=-1))
+    assert ours > 1.1 * fixed and abs(ours - theirs) < 0.02 * theirs
+
+
+def test_bpe_dropout_zero_gives_build_vocabs_ids_byte_for_byte(bpe):
+    lines = _synthetic(300, seed=6) + [""]
+    ids, offsets = encode_corpus(bpe, lines)
+    sampled_ids, sampled_offsets = sample_corpus(bpe, lines, 0.0, "seed 1 epoch 3 src")
+    assert sampled_ids.dtype == ids.dtype and sampled_offsets.dtype == offsets.dtype
+    assert torch.equal(sampled_ids, ids) and torch.equal(sampled_offsets, offsets)
+
+
+def test_sampled_ids_follow_the_key_and_not_the_number_of_processes(bpe, monkeypatch):
+    monkeypatch.setattr(vocab_module, "SAMPLE_CHUNK", 64)  # 5 chunks, each with its own seed
+    lines = _synthetic(300, seed=7)
+    one = sample_corpus(bpe, lines, 0.2, "seed 1 epoch 0 src")
+    again = sample_corpus(bpe, lines, 0.2, "seed 1 epoch 0 src")
+    pool = sample_corpus(bpe, lines, 0.2, "seed 1 epoch 0 src", workers=3)
+    other = sample_corpus(bpe, lines, 0.2, "seed 1 epoch 1 src")
+    assert all(torch.equal(a, b) for a, b in zip(one, again))
+    assert all(torch.equal(a, b) for a, b in zip(one, pool))
+    assert not torch.equal(one[1], other[1])  # another epoch: other segmentations
+    assert bpe.decode(one[0][one[1][-2]:one[1][-1]].tolist()) == lines[-1]  # offsets line up across chunks
+
+
+def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
+    """Every rank segments the split itself: a new interpreter must cut it as this one does."""
+    import subprocess
+    import sys
+
+    lines = _synthetic(200, seed=8)
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "bpe.model").write_bytes(bpe.proto)
+    code = ("import sys, torch; from pathlib import Path; from transformer.vocab import BpeVocab, sample_corpus; "
+            "d = Path(sys.argv[1]); v = BpeVocab((d / 'bpe.model').read_bytes()); "
+            "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
+            "torch.save({'ids': ids, 'off': off}, d / 'out.pt')")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=Path(__file__).resolve().parents[1])
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
+    ids, off = sample_corpus(bpe, lines, 0.2, "seed 4 epoch 2 tgt")
+    assert torch.equal(theirs["ids"], ids) and torch.equal(theirs["off"], off)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from transformer.io import DataError
-from transformer.vocab import BOS, EOS, PAD
+from transformer.vocab import BOS, EOS, PAD, BpeVocab, sample_corpus
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,13 @@ class Batch:
 class ParallelCorpus:
     """Token-id arrays written by build_vocab: line i is ids[offsets[i]:offsets[i + 1]]."""
 
-    def __init__(self, path: Path | str):
-        path = Path(path)
-        if not path.exists():
-            raise DataError(f"{path}: token-id corpus not found (run the build_vocab stage)")
-        data = torch.load(path, weights_only=True)
+    def __init__(self, path: Path | str | None = None, data: dict[str, torch.Tensor] | None = None):
+        """From build_vocab's file, or from the same arrays in memory (`data`)."""
+        if data is None:
+            path = Path(path)
+            if not path.exists():
+                raise DataError(f"{path}: token-id corpus not found (run the build_vocab stage)")
+            data = torch.load(path, weights_only=True)
         self.src, self.src_off = data["src"], data["src_offsets"]
         self.tgt, self.tgt_off = data["tgt"], data["tgt_offsets"]
         self.src_lens = (self.src_off[1:] - self.src_off[:-1]) + 1  # + </s>
@@ -49,6 +51,25 @@ class ParallelCorpus:
         return Batch(pad(src, batch_first=True, padding_value=PAD).long(),
                      pad([torch.cat([bos, t]) for t in tgt], batch_first=True, padding_value=PAD).long(),
                      tgt_out, int(self.tgt_lens[index].sum()))
+
+
+class TrainingSplit:
+    """The training pairs of each epoch: build_vocab's ids, or, with BPE-dropout, the tokenized text
+    segmented afresh each epoch from a seed made of (seed, epoch), the same in every process."""
+
+    def __init__(self, fixed: ParallelCorpus, vocab: BpeVocab | None = None, lines: tuple[list[str], list[str]] = ([], []),
+                 dropout: float = 0.0, seed: int = 0, workers: int = 1):
+        self.fixed, self.vocab, self.lines = fixed, vocab, lines
+        self.dropout, self.seed, self.workers = dropout, seed, workers
+
+    def epoch(self, epoch: int) -> ParallelCorpus:
+        if not self.dropout:
+            return self.fixed
+        data = {}
+        for side, lines in zip(("src", "tgt"), self.lines):
+            key = f"seed {self.seed} epoch {epoch} {side}"
+            data[side], data[f"{side}_offsets"] = sample_corpus(self.vocab, lines, self.dropout, key, self.workers)
+        return ParallelCorpus(data=data)
 
 
 def token_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_tokens: int, seed: int) -> list[list[int]]:

@@ -62,6 +62,7 @@ class TrainConfig:
     warmup: int
     cooldown: float
     label_smoothing: float
+    bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
     precision: str
     compile: bool
     save_every: int
@@ -128,7 +129,7 @@ POSITIVE = {
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
 NON_NEGATIVE = {"train.save_every", "train.max_steps", "decode.max_len_extra", "decode.alpha"}
-FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown"}  # in [0, 1)
+FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown", "train.bpe_dropout"}  # in [0, 1)
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 
 
@@ -220,6 +221,8 @@ def _check_values(p: Params, source: str) -> None:
         fail("model.d_model", "must be even (sinusoidal positional encoding)")
     if p.model.tie_embeddings and p.vocab.kind != "bpe":
         fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
+    if p.train.bpe_dropout and p.vocab.kind != "bpe":
+        fail("train.bpe_dropout", "needs vocab.kind: bpe (a word vocabulary has one segmentation)")
     if p.data.src_lang == p.data.tgt_lang:
         fail("data.tgt_lang", "equals data.src_lang")
     if not p.decode.testsets:

@@ -18,10 +18,10 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.attention import attention_kernels
-from transformer.batching import ParallelCorpus, token_batches, epoch_steps
+from transformer.batching import ParallelCorpus, TrainingSplit, token_batches, epoch_steps
 from transformer.config import Params, flatten
-from transformer.errors import TrainingError
-from transformer.io import sha256_file, write_json, write_text
+from transformer.errors import DataError, TrainingError
+from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import token_loss
 from transformer.model import make_model
 from transformer.schedule import rate
@@ -95,13 +95,14 @@ def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
     return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
 
 
-def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None) -> dict[str, Any]:
-    """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking."""
+def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None) -> dict[str, Any]:
+    """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking.
+    `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0."""
     env = setup_distributed()
     p = params.train
     torch.manual_seed(p.seed)
     src_vocab, tgt_vocab = load_vocabs(vocab_dir)
-    corpus = ParallelCorpus(vocab_dir / "train.pt")
+    corpus = _training_split(params, vocab_dir, tokenized, src_vocab)
     valid = ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")
     m = params.model
     model = make_model(len(src_vocab), len(tgt_vocab), m.N, m.d_model, m.d_ff, m.h, m.dropout, m.norm, m.tie_embeddings, PAD)
@@ -135,6 +136,24 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None) -
             tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
     return summary
+
+
+def _training_split(params: Params, vocab_dir: Path, tokenized: Path | None, vocab) -> TrainingSplit:
+    fixed, dropout = ParallelCorpus(vocab_dir / "train.pt"), params.train.bpe_dropout
+    if not dropout:
+        return TrainingSplit(fixed)
+    if tokenized is None:
+        raise TrainingError("train.bpe_dropout > 0 segments the tokenized training text afresh each epoch: "
+                            "pass its directory (stages/train.py --tokenized data/tokenized)")
+    d = params.data
+    lines = tuple(read_lines(tokenized / f"train.{lang}") for lang in (d.src_lang, d.tgt_lang))
+    for lang, side in zip((d.src_lang, d.tgt_lang), lines):
+        if len(side) != len(fixed):
+            raise DataError(f"{tokenized / f'train.{lang}'}: {len(side)} lines, but {vocab_dir / 'train.pt'} holds "
+                            f"{len(fixed)} pairs: the tokenized text and the vocabulary come from different runs")
+    # Each rank segments the whole split (the same ids everywhere), on its share of the node's cores.
+    workers = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return TrainingSplit(fixed, vocab, lines, dropout, params.train.seed, workers)
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
@@ -274,7 +293,8 @@ class _Loop:
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
         ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if env.world > 1 else model
         self.step_model = torch.compile(ddp) if self.p.compile else ddp
-        self.corpus, self.valid, self.progress, self.tracker = corpus, valid, progress, tracker
+        self.split, self.valid, self.progress, self.tracker = corpus, valid, progress, tracker
+        self.corpus = corpus.fixed  # the current epoch's pairs
         self.out, self.ckpt_dir, self.meta = out, out.checkpoints, meta
         self.bf16 = use_bf16(self.p.precision, env.device)
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
@@ -284,12 +304,16 @@ class _Loop:
     def run(self) -> dict[str, Any]:
         pr, p = self.progress, self.p
         while pr.epoch < p.epochs and not self._done():
+            self.corpus = self._epoch_corpus()
             batches = token_batches(self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch)
             groups = epoch_steps(batches, 1, self.env.world * p.accum, 0)  # global; _update takes this rank's share
             if not groups:
                 raise TrainingError(f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; lower them or train.max_tokens")
-            # Every epoch has as many updates: the shuffle only reorders same-length pairs and whole batches.
-            self.planned_updates = min(len(groups) * p.epochs, p.max_steps) if p.max_steps else len(groups) * p.epochs
+            # With fixed ids every epoch has as many updates; sampled segmentations change the count a
+            # little. Planning the epochs left at this epoch's length is exact for the last epoch, so a
+            # cooldown still ends at the last update, and a resumed run plans as the uninterrupted one.
+            planned = pr.step - pr.step_in_epoch + len(groups) * (p.epochs - pr.epoch)
+            self.planned_updates = min(planned, p.max_steps) if p.max_steps else planned
             self._epoch(groups)
             if self._done():
                 break
@@ -299,6 +323,17 @@ class _Loop:
         if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._end_of_epoch(partial=True)
         return self._write_reports()
+
+    def _epoch_corpus(self) -> ParallelCorpus:
+        if not self.split.dropout:
+            return self.split.fixed
+        start = time.perf_counter()
+        corpus = self.split.epoch(self.progress.epoch)
+        if self.env.main:
+            grown = (len(corpus.src) + len(corpus.tgt)) / max(len(self.split.fixed.src) + len(self.split.fixed.tgt), 1)
+            print(f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
+                  f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens", file=sys.stderr)
+        return corpus
 
     def _done(self) -> bool:
         return 0 < self.p.max_steps <= self.progress.step

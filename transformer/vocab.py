@@ -4,8 +4,13 @@ Both put the specials at the same ids: <s>=0, </s>=1, <blank>=2 (padding), <unk>
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import heapq
+import math
+import random
 import tempfile
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -85,6 +90,83 @@ class BpeVocab:
 
 
 Vocab = WordVocab | BpeVocab
+WORD_START = "\u2581"  # sentencepiece's mark for a space
+
+
+class BpeDropout:
+    """BPE-dropout (Provilkov et al., 2020): segments like `BpeVocab.encode`, but skips each merge
+    with probability `dropout`. It replays sentencepiece's merge order (highest score first, then
+    leftmost) with Python's seeded generator: sentencepiece's own sampler salts its seed afresh in
+    every process, so another rank or a resumed run could not repeat its draws."""
+
+    def __init__(self, vocab: BpeVocab):
+        sp = vocab.sp
+        normal = [i for i in range(len(vocab)) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))]
+        self.ids = {sp.id_to_piece(i): i for i in normal}
+        self.scores = {sp.id_to_piece(i): sp.get_score(i) for i in normal}
+
+    def encode(self, line: str, dropout: float, rng: random.Random) -> list[int]:
+        ids: list[int] = []
+        log_keep = math.log(1.0 - dropout)
+        for word in line.split(" "):
+            if not word:  # sentencepiece drops repeated and outer spaces
+                continue
+            fixed, merges, agenda = self._word(WORD_START + word)
+            # The merges before the first skip are the fixed ones: draw where that skip falls
+            # (geometric), and replay the merge loop only for the words it reaches.
+            first_skip = 1 + int(math.log(1.0 - rng.random()) / log_keep) if dropout else merges + 1
+            if first_skip > merges:
+                ids.extend(fixed)
+            else:
+                ids.extend(self._ids(self._segment(WORD_START + word, list(agenda), dropout, rng, first_skip)))
+        return ids
+
+    def encode_many(self, lines: list[str], dropout: float, rng: random.Random) -> list[list[int]]:
+        return [self.encode(line, dropout, rng) for line in lines]
+
+    @functools.lru_cache(maxsize=1 << 18)
+    def _word(self, word: str) -> tuple[tuple[int, ...], int, tuple]:
+        """A word type's fixed ids, its number of merges and its first agenda (heap-ordered)."""
+        agenda: list = []
+        for i in range(len(word) - 1):
+            self._push(agenda, list(word), i, i + 1)
+        pieces = self._segment(word, list(agenda), 0.0, None, len(word))
+        return tuple(self._ids(pieces)), len(word) - len(pieces), tuple(agenda)
+
+    def _segment(self, word: str, agenda: list, dropout: float, rng: random.Random | None, first_skip: int) -> list[str]:
+        """sentencepiece's merge loop; the pair popped `first_skip`-th is skipped, later ones with
+        probability `dropout`."""
+        pieces, popped, score_of, pop, push = list(word), 0, self.scores.get, heapq.heappop, heapq.heappush
+        after, before = list(range(1, len(word))) + [-1], list(range(-1, len(word) - 1))
+        while agenda:
+            _, left, right, size = pop(agenda)
+            merged = pieces[left] + pieces[right]
+            if not pieces[left] or not pieces[right] or len(merged) != size:
+                continue  # one side has merged since this pair was queued
+            popped += 1
+            if popped == first_skip or (popped > first_skip and rng.random() < dropout):
+                continue
+            pieces[left], pieces[right], after[left] = merged, "", after[right]
+            for a, b in ((before[left], left), (left, after[left])):  # the new neighbours (-1: none)
+                if a >= 0 and b >= 0 and (score := score_of(pieces[a] + pieces[b])) is not None:
+                    push(agenda, (-score, a, b, len(pieces[a]) + len(pieces[b])))
+            if after[left] >= 0:
+                before[after[left]] = left
+        return [piece for piece in pieces if piece]
+
+    def _push(self, agenda: list, pieces: list[str], left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            score = self.scores.get(pieces[left] + pieces[right])
+            if score is not None:
+                heapq.heappush(agenda, (-score, left, right, len(pieces[left]) + len(pieces[right])))
+
+    def _ids(self, pieces: list[str]) -> list[int]:
+        ids: list[int] = []
+        for piece in pieces:
+            i = self.ids.get(piece, UNK)
+            if not (i == UNK and ids and ids[-1] == UNK):  # sentencepiece: a run of unknown characters is one <unk>
+                ids.append(i)
+        return ids
 
 
 def vocab_from_state(state: dict[str, Any]) -> Vocab:
@@ -130,6 +212,57 @@ def encode_corpus(vocab: Vocab, lines: list[str]) -> tuple[torch.Tensor, torch.T
     lengths = torch.tensor([0] + [len(e) for e in encoded])
     ids = torch.tensor([i for e in encoded for i in e], dtype=torch.int32)
     return ids, torch.cumsum(lengths, 0)
+
+
+SAMPLE_CHUNK = 10_000  # lines per seeded piece of work
+
+
+def sample_corpus(vocab: BpeVocab, lines: list[str], dropout: float, key: str, workers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_corpus with BPE-dropout. Each chunk of lines has its own seed, made from `key` and the
+    chunk's index, so the ids depend neither on `workers` nor on which process runs a chunk."""
+    chunks = [(lines[i:i + SAMPLE_CHUNK], dropout, _chunk_seed(key, i // SAMPLE_CHUNK))
+              for i in range(0, len(lines), SAMPLE_CHUNK)]
+    if workers > 1 and len(chunks) > 1:
+        parts = _pool(vocab.proto, workers).map(_sample_chunk, chunks, chunksize=1)
+    else:
+        _load_sampler(vocab.proto)
+        parts = [_sample_chunk(chunk) for chunk in chunks]
+    lengths = torch.tensor([0] + [n for _, chunk_lengths in parts for n in chunk_lengths])
+    ids = torch.cat([torch.zeros(0, dtype=torch.int32)] + [torch.frombuffer(a, dtype=torch.int32) for a, _ in parts if a])
+    return ids, torch.cumsum(lengths, 0)
+
+
+def _chunk_seed(key: str, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{key}/{index}".encode()).digest()[:8], "little")
+
+
+_sampler: tuple[bytes, BpeDropout] | None = None  # one per process, with its cache of word types
+_workers: tuple[bytes, int, Any] | None = None  # a pool kept across epochs, so its workers keep their caches
+
+
+def _pool(proto: bytes, workers: int):
+    global _workers
+    if _workers is None or _workers[:2] != (proto, workers):
+        import multiprocessing
+
+        if _workers is not None:
+            _workers[2].terminate()
+        # fork: the workers run plain Python and sentencepiece, never torch or the GPU
+        _workers = (proto, workers, multiprocessing.get_context("fork").Pool(workers, _load_sampler, (proto,)))
+    return _workers[2]
+
+
+def _load_sampler(proto: bytes) -> None:
+    global _sampler
+    if _sampler is None or _sampler[0] != proto:
+        _sampler = (proto, BpeDropout(BpeVocab(proto)))
+
+
+def _sample_chunk(chunk: tuple[list[str], float, int]) -> tuple[array, array]:
+    """Flat ids and line lengths as int32 arrays: they cross the process boundary as bytes."""
+    lines, dropout, seed = chunk
+    encoded = _sampler[1].encode_many(lines, dropout, random.Random(seed))
+    return array("i", [i for e in encoded for i in e]), array("i", [len(e) for e in encoded])
 
 
 def build_vocabs(

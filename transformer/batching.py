@@ -57,9 +57,9 @@ class TrainingSplit:
     """The training pairs of each epoch: build_vocab's ids, or, with BPE-dropout, the tokenized text
     segmented afresh each epoch from a seed made of (seed, epoch), the same in every process."""
 
-    def __init__(self, fixed: ParallelCorpus, vocab: BpeVocab | None = None, lines: tuple[list[str], list[str]] = ([], []),
+    def __init__(self, fixed: ParallelCorpus, vocab: BpeVocab | None = None, lines: tuple[list[str], list[str]] | None = None,
                  dropout: float = 0.0, seed: int = 0, workers: int = 1):
-        self.fixed, self.vocab, self.lines = fixed, vocab, lines
+        self.fixed, self.vocab, self.lines = fixed, vocab, lines or ([], [])
         self.dropout, self.seed, self.workers = dropout, seed, workers
 
     def epoch(self, epoch: int) -> ParallelCorpus:

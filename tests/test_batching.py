@@ -46,7 +46,7 @@ def test_same_seed_gives_same_batches_and_other_seed_another_order():
     assert sorted(i for batch in b for i in batch) == list(range(len(src)))
 
 
-def test_every_seed_gives_as_many_batches():  # training counts its updates, for the cooldown, from one epoch
+def test_every_seed_gives_as_many_batches():  # with fixed ids, every epoch plans the same number of updates
     src, tgt = _lengths(400)
     for max_tokens in (64, 200):
         assert len({len(token_batches(src, tgt, max_tokens, seed)) for seed in range(10)}) == 1

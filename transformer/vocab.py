@@ -217,7 +217,9 @@ def encode_corpus(vocab: Vocab, lines: list[str]) -> tuple[torch.Tensor, torch.T
 SAMPLE_CHUNK = 10_000  # lines per seeded piece of work
 
 
-def sample_corpus(vocab: BpeVocab, lines: list[str], dropout: float, key: str, workers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_corpus(
+    vocab: BpeVocab, lines: list[str], dropout: float, key: str, workers: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """encode_corpus with BPE-dropout. Each chunk of lines has its own seed, made from `key` and the
     chunk's index, so the ids depend neither on `workers` nor on which process runs a chunk."""
     chunks = [(lines[i:i + SAMPLE_CHUNK], dropout, _chunk_seed(key, i // SAMPLE_CHUNK))

@@ -156,6 +156,9 @@ def test_killed_training_resumes_to_bit_identical_weights(tmp_path, uninterrupte
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model on a busy host: waking threads costs more than it gives
+
+
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
     """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
@@ -164,7 +167,7 @@ def sampled(tmp_path_factory):
     from transformer.vocab import build_vocabs
 
     tmp = tmp_path_factory.mktemp("sampled")
-    raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
+    raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
     params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
@@ -173,13 +176,13 @@ def sampled(tmp_path_factory):
     def cmd(out: Path) -> list[str]:
         return [sys.executable] + _train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
 
-    result = run(cmd(tmp / "out"), ROOT)
+    result = run(cmd(tmp / "out"), ROOT, env=ONE_THREAD)
     return cmd, tmp / "tok", tmp / "out", result.stderr
 
 
 def test_bpe_dropout_resegments_every_epoch_and_cools_down_to_the_last_update(sampled):
     _, _, out, stderr = sampled
-    assert stderr.count("BPE-dropout 0.1 segmented 600 pairs") == 3
+    assert stderr.count("BPE-dropout 0.1 segmented 300 pairs") == 3
     rows = [line.split("\t") for line in (out / "reports" / "train_steps.tsv").read_text().splitlines()[1:]]
     steps, lrs = [int(r[0]) for r in rows], [float(r[2]) for r in rows]
     total = steps[-1]
@@ -193,7 +196,7 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
     cmd, _, reference, _ = sampled
     first_epoch = int((reference / "reports" / "train_epochs.tsv").read_text().splitlines()[1].split("\t")[1])  # its updates
     interrupted = tmp_path / "interrupted"
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"} | ONE_THREAD
     proc = subprocess.Popen(cmd(interrupted), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and not any(int(p.stem.split("_")[1]) > first_epoch for p in checkpoints.listed(interrupted / "ckpt")):
@@ -205,7 +208,7 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
     assert killed_at["epoch"] >= 1, "killed before the second epoch: nothing to resegment"
     assert killed_at["step"] < checkpoints.load(checkpoints.listed(reference / "ckpt")[-1])["step"], "killed too late"
 
-    result = run(cmd(interrupted), ROOT)
+    result = run(cmd(interrupted), ROOT, env=ONE_THREAD)
     assert "resuming from" in result.stderr
     expected, actual = _final_weights(reference), _final_weights(interrupted)
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

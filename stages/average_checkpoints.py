@@ -1,4 +1,4 @@
-"""Stage average_checkpoints: the mean of the last average.last_k checkpoints, as one model file."""
+"""Stage average_checkpoints: the mean of average.last_k checkpoints (the last, or the best on val BLEU), as one model file."""
 
 from pathlib import Path
 
@@ -16,8 +16,8 @@ from transformer.config import load_params
 @click.option("--track/--no-track", default=True, show_default=True, help="log the model to the training's MLflow run")
 @stage
 def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
-    last_k = load_params(params_path).average.last_k
-    model = checkpoints.average_checkpoints(ckpt_dir, last_k)
+    p = load_params(params_path).average
+    model = checkpoints.average_checkpoints(ckpt_dir, p.last_k, p.select)
     checkpoints.save(out, model)
     click.echo(f"averaged {', '.join(model['averaged'])} into {out}", err=True)
     if track:

@@ -17,17 +17,20 @@ from transformer.config import load_params
 @click.option("--steps", required=True, type=click.Path(path_type=Path), help="per-update report: loss, lr, tokens/s (TSV)")
 @click.option("--epochs", required=True, type=click.Path(path_type=Path), help="per-epoch report: train and validation loss (TSV)")
 @click.option("--summary", required=True, type=click.Path(path_type=Path), help="the run's metrics (JSON)")
+@click.option("--references", required=True, type=click.Path(path_type=Path),
+              help="raw reference translations of the validation split, for val BLEU")
 @click.option("--track/--no-track", default=True, show_default=True, help="log to MLflow")
 @stage
-def main(params_path: Path, vocab: Path, tokenized: Path | None, ckpt_dir: Path, steps: Path, epochs: Path, summary: Path,
-         track: bool) -> None:
+def main(params_path: Path, vocab: Path, tokenized: Path | None, ckpt_dir: Path, steps: Path, epochs: Path,
+         summary: Path, references: Path, track: bool) -> None:
     from transformer import tracking
     from transformer.train import Outputs, train
 
     params = load_params(params_path)
     if track:
         tracking.check_reachable(tracking.tracking_uri())  # before any training work
-    result = train(params, vocab, Outputs(ckpt_dir, steps, epochs, summary), tracking.Tracker if track else None, tokenized)
+    outputs = Outputs(ckpt_dir, steps, epochs, summary)
+    result = train(params, vocab, outputs, tracking.Tracker if track else None, tokenized, references)
     click.echo(f"trained: {result}", err=True)
 
 

@@ -183,3 +183,49 @@ def test_prune_keeps_the_newest(tmp_path):
         save(checkpoints.path_for(tmp_path, step), _checkpoint(1.0, step))
     checkpoints.prune(tmp_path, 2)
     assert [p.name for p in checkpoints.listed(tmp_path)] == ["ckpt_00000040.pt", "ckpt_00000200.pt"]
+
+
+def test_prune_also_keeps_the_steps_it_is_told_to(tmp_path):
+    for step in (3, 10, 40, 200):
+        save(checkpoints.path_for(tmp_path, step), _checkpoint(1.0, step))
+    checkpoints.prune(tmp_path, 1, also=[10, 40, 999])  # 999: no such checkpoint, nothing to keep
+    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path)] == [10, 40, 200]
+
+
+def test_best_steps_are_the_highest_scores_in_step_order_and_ties_go_to_the_later_step():
+    scores = {100: 30.0, 200: 31.5, 300: 29.0, 400: 31.5, 500: 30.0}
+    assert checkpoints.best_steps(scores, 2) == [200, 400]
+    assert checkpoints.best_steps(scores, 3) == [200, 400, 500]  # 500 ties 100 and is later
+    assert checkpoints.best_steps(scores, 9) == [100, 200, 300, 400, 500]
+
+
+def _with_history(weight: float, step: int, bleus: dict[int, float]) -> dict:
+    rows = [{"epoch": i + 1, "step": s, "val_loss": 1.0} | ({"val_bleu": b} if b is not None else {})
+            for i, (s, b) in enumerate(bleus.items()) if s <= step]
+    return _checkpoint(weight, step) | {"history": {"steps": [], "epochs": rows}}
+
+
+def test_average_best_takes_the_k_with_the_highest_val_bleu_from_the_newest_history(tmp_path):
+    bleus = {10: 20.0, 20: 25.0, 30: 22.0, 40: 24.0, 45: None, 50: 21.0}  # 45: saved between validations
+    for weight, step in ((1.0, 10), (2.0, 20), (3.0, 30), (4.0, 40), (100.0, 45), (5.0, 50)):
+        save(checkpoints.path_for(tmp_path, step), _with_history(weight, step, bleus))
+    averaged = average_checkpoints(tmp_path, 2, "best")
+    assert averaged["averaged"] == ["ckpt_00000020.pt", "ckpt_00000040.pt"]
+    assert torch.equal(averaged["model"]["w"], torch.full((2, 3), 3.0))
+    assert averaged["step"] == 40 and averaged["model"]["n"].item() == 40
+    assert average_checkpoints(tmp_path, 2, "last")["averaged"] == ["ckpt_00000045.pt", "ckpt_00000050.pt"]
+
+
+def test_average_best_skips_scored_checkpoints_that_were_pruned(tmp_path):
+    bleus = {10: 40.0, 20: 25.0, 30: 22.0}
+    for step in (20, 30):  # the best, step 10, is gone
+        save(checkpoints.path_for(tmp_path, step), _with_history(float(step), step, bleus))
+    assert average_checkpoints(tmp_path, 1, "best")["averaged"] == ["ckpt_00000020.pt"]
+
+
+def test_average_best_with_too_few_scored_checkpoints_says_so(tmp_path):
+    bleus = {10: 20.0, 15: None, 20: 25.0}
+    for step in (10, 15, 20):
+        save(checkpoints.path_for(tmp_path, step), _with_history(1.0, step, bleus))
+    with pytest.raises(DataError, match="needs 3 checkpoints with a val BLEU, found 2"):
+        average_checkpoints(tmp_path, 3, "best")

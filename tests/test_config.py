@@ -201,6 +201,16 @@ def test_averaging_more_checkpoints_than_kept_is_rejected():
     with pytest.raises(ConfigError) as e:
         params_from_dict(raw)
     assert "average.last_k" in str(e.value)
+    raw["average"]["select"] = "best"  # training keeps the best last_k beside the last `keep`
+    assert params_from_dict(raw).average.last_k == 6
+
+
+@pytest.mark.parametrize("section, key, value", [("average", "select", "worst"), ("train", "eval_every", -1),
+                                                 ("train", "patience", -2)])
+def test_bad_validation_and_averaging_params_are_rejected_by_key(section, key, value):
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(_with(section, key, value))
+    assert f"{section}.{key}" in str(e.value)
 
 
 def test_yaml_syntax_error_names_the_file(tmp_path):

@@ -34,7 +34,7 @@ def _wait_for(predicate, seconds: float) -> bool:
 def trained_model(tmp_path, vocab_dir) -> Path:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 2})))
-    run([sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path),
+    run([sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path), "--references", str(tmp_path / "toy" / "val.en"),
          "--no-track"], ROOT)
     model = tmp_path / "model.pt"
     checkpoints.save(model, checkpoints.average_checkpoints(tmp_path / "ckpt", 1))
@@ -66,7 +66,8 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes(tmp_path, vocab_dir
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.nproc": 2, "train.epochs": 40, "train.save_every": 5})))
     cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "stages/train.py", "--params", str(params),
-           "--vocab", str(vocab_dir), *train_options(tmp_path), "--no-track"]
+           "--vocab", str(vocab_dir), *train_options(tmp_path), "--references", str(tmp_path / "toy" / "val.en"),
+           "--references", str(tmp_path / "toy" / "val.en"), "--no-track"]
     job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: len(checkpoints.listed(tmp_path / "ckpt")) >= 1, 120), "no checkpoint written"
     workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "stages/train.py" in " ".join(p.cmdline())]

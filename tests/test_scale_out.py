@@ -40,7 +40,8 @@ def _write_params(directory: Path, **overrides) -> Path:
 
 
 def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out), "--no-track"]
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
+            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
@@ -117,6 +118,7 @@ def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_we
     nodes = [tmp_path / f"node{i}" for i in (0, 1)]
     for node in nodes:  # each node its own copy of the inputs: nothing is shared but the network
         shutil.copytree(ddp_vocab, node / "vocab")
+        shutil.copytree(ddp_vocab.parent / "toy", node / "toy")
         _write_params(node, **DDP_RUN | {"train.nproc": 1, "train.nnodes": 2})
 
     def start() -> list[subprocess.Popen]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,8 @@ def _write_params(tmp_path: Path, **overrides) -> Path:
 
 
 def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out), "--no-track"]
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
+            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -300,3 +302,101 @@ def test_rerunning_a_finished_training_changes_nothing(tmp_path, vocab_dir):
     assert "resuming from" in result.stderr
     assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")] == before
     assert (tmp_path / "reports" / "train_epochs.tsv").read_text() == epochs
+
+
+def _validations(out: Path) -> list[dict[str, float]]:
+    lines = (out / "reports" / "train_epochs.tsv").read_text().splitlines()
+    return [dict(zip(lines[0].split("\t"), map(float, line.split("\t")))) for line in lines[1:]]
+
+
+@pytest.mark.parametrize("bleus, patience, spent", [
+    ([10.0, 12.0, 11.0, 12.0], 2, True),  # 12.0 again is no rise
+    ([10.0, 12.0, 11.0, 12.5], 2, False),
+    ([10.0, 12.0, 11.0], 2, False),  # only one validation since the best
+    ([10.0, 9.0, 8.0], 2, True),
+    ([10.0, 9.0, 8.0], 0, False),  # 0: off
+    ([5.0], 1, False),
+])
+def test_patience_is_spent_after_that_many_validations_without_a_higher_bleu(bleus, patience, spent):
+    from transformer.train import patience_spent
+
+    assert patience_spent(bleus, patience) is spent
+
+
+def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tmp_path, vocab_dir):
+    from transformer.io import read_lines
+    from transformer.score import score_lines
+    from transformer.translate import Translator
+
+    params = _write_params(tmp_path, **{"train.epochs": 6, "decode.max_len_extra": 20, "decode.batch_tokens": 150})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    rows = _validations(tmp_path)
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    last = checkpoints.listed(tmp_path / "ckpt")[-1]
+    sources = read_lines(vocab_dir.parent / "tok" / "val.de")
+    hyps = Translator(last, device="cpu").translate_tokenized(sources, beam=1, max_len_extra=20, batch_tokens=150)
+    expected = score_lines(hyps, read_lines(vocab_dir.parent / "toy" / "val.en"), "en", ("bleu",))["bleu"]
+    assert rows[-1]["val_bleu"] == pytest.approx(expected, abs=1e-4) and expected > rows[0]["val_bleu"]
+    assert json.loads((tmp_path / "reports" / "train.json").read_text())["val_bleu"] == pytest.approx(expected)
+
+
+def test_eval_every_validates_and_checkpoints_between_epoch_ends_too(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 2, "train.eval_every": 4, "train.keep": 20, "average.last_k": 1})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    rows = _validations(tmp_path)
+    per_epoch = int(next(r["step"] for r in rows if r["epoch"] == 1))
+    between = [s for s in range(4, 2 * per_epoch, 4) if s != per_epoch]
+    assert sorted(int(r["step"]) for r in rows) == sorted(between + [per_epoch, 2 * per_epoch])  # no epoch end twice
+    assert all(r["epoch"] == pytest.approx(r["step"] / per_epoch, rel=1e-5) for r in rows)  # the TSV keeps 6 digits
+    assert all(r["val_bleu"] >= 0 for r in rows)
+    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(int(r["step"]) for r in rows)
+
+
+def test_select_best_keeps_the_best_k_beside_the_last_ones(tmp_path, vocab_dir):
+    params = _write_params(tmp_path, **{"train.epochs": 6, "train.keep": 1, "average.select": "best", "average.last_k": 3,
+                                        "train.factor": 3.0})
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    rows = _validations(tmp_path)
+    best = checkpoints.best_steps({int(r["step"]): r["val_bleu"] for r in rows}, 3)
+    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(set(best) | {int(rows[-1]["step"])})
+    assert checkpoints.average_checkpoints(tmp_path / "ckpt", 3, "best")["averaged"] == [checkpoints.path_for(Path(), s).name for s in best]
+
+
+def _stalled(tmp_path: Path, **overrides) -> Path:
+    """Params whose learning rate is too small to change any translation: val BLEU never rises."""
+    return _write_params(tmp_path, **{"train.epochs": 8, "train.factor": 1e-9, "train.patience": 2} | overrides)
+
+
+def test_patience_stops_training_and_a_rerun_stays_stopped(tmp_path, vocab_dir):
+    params = _stalled(tmp_path)
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    assert "stopping early" in result.stderr
+    rows = _validations(tmp_path)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]  # the best at epoch 1, then 2 validations no higher
+    summary = json.loads((tmp_path / "reports" / "train.json").read_text())
+    assert summary["stopped_early"] is True and summary["steps"] == rows[-1]["step"]
+    before = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")]
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    assert "resuming from" in result.stderr and "epoch 4/8" not in result.stderr  # no progress bar: no update
+    assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")] == before
+
+
+def test_patience_counts_validations_from_before_a_resume(tmp_path, vocab_dir):
+    """Lose the last checkpoint (as a kill right after it would): the rerun resumes at epoch 2 with
+    one validation without a rise in its history, so it stops after epoch 3, as the first run did."""
+    params = _stalled(tmp_path)
+    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    first = _validations(tmp_path)
+    checkpoints.listed(tmp_path / "ckpt")[-1].unlink()
+    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    assert "resuming from" in result.stderr and "stopping early" in result.stderr
+    assert _validations(tmp_path) == first
+
+
+@pytest.mark.slow
+def test_two_processes_stop_early_together(tmp_path, vocab_dir):
+    """Rank 0 validates and decides; a rank that missed the decision would wait forever in its next update."""
+    params = _stalled(tmp_path, **{"train.nproc": 2})
+    result = run(_torchrun(1, 2) + _train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
+    assert "stopping early" in result.stderr
+    assert [r["epoch"] for r in _validations(tmp_path)] == [1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import re
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +48,29 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
 def listed(ckpt_dir: Path | str) -> list[Path]:
     """Checkpoints in `ckpt_dir`, oldest first (by update step)."""
     found = [p for p in Path(ckpt_dir).glob("ckpt_*.pt") if PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def path_for(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"ckpt_{step:08d}.pt"
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
+def step_of(path: Path) -> int:
+    return int(PATTERN.match(path.name).group(1))
+
+
+def best_steps(scores: dict[int, float], k: int) -> list[int]:
+    """The k steps with the highest score, in step order; a tie goes to the later step."""
+    ranked = sorted(scores, key=lambda step: (scores[step], step), reverse=True)
+    return sorted(ranked[:k])
+
+
+def prune(ckpt_dir: Path, keep: int, also: Iterable[int] = ()) -> None:
+    """Removes every checkpoint but the last `keep` and those of the steps in `also`."""
+    also = set(also)
     for old in listed(ckpt_dir)[:-keep]:
-        old.unlink()
+        if step_of(old) not in also:
+            old.unlink()
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
@@ -103,13 +117,30 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str] 
     return averaged
 
 
-def average_checkpoints(ckpt_dir: Path, last_k: int) -> dict[str, Any]:
-    """A model checkpoint whose weights average the last `last_k` checkpoints in `ckpt_dir`."""
+def scores_of(validations: list[dict[str, float]]) -> dict[int, float]:
+    """{step: val BLEU} of the validations (a training history's "epochs" rows) that measured it."""
+    return {int(row["step"]): row["val_bleu"] for row in validations if "val_bleu" in row}
+
+
+def average_checkpoints(ckpt_dir: Path, last_k: int, select: str = "last") -> dict[str, Any]:
+    """A model checkpoint whose weights average `last_k` checkpoints in `ckpt_dir`: the last ones
+    (select "last") or those with the highest val BLEU (select "best", read from the newest one's history)."""
     paths = listed(ckpt_dir)
     if len(paths) < last_k:
         raise DataError(f"{ckpt_dir}: average.last_k = {last_k} but only {len(paths)} checkpoint(s) found")
-    chosen = paths[-last_k:]
-    loaded = [load(p) for p in chosen]
+    newest = load(paths[-1])
+    if select == "best":
+        if "history" not in newest:
+            raise DataError(f"{paths[-1]}: checkpoint lacks history, which average.select = best reads the val BLEU from")
+        on_disk = {step_of(p) for p in paths}
+        scores = {s: v for s, v in scores_of(newest["history"]["epochs"]).items() if s in on_disk}
+        if len(scores) < last_k:
+            raise DataError(f"{ckpt_dir}: average.select = best needs {last_k} checkpoints with a val BLEU, "
+                            f"found {len(scores)} (checkpoints saved between validations have none)")
+        chosen = [p for p in paths if step_of(p) in best_steps(scores, last_k)]
+    else:
+        chosen = paths[-last_k:]
+    loaded = [newest if p == paths[-1] else load(p) for p in chosen]
     last = loaded[-1]
     model = average_state_dicts([c["model"] for c in loaded], [str(p) for p in chosen])
     return {key: last[key] for key in MODEL_KEYS} | {

@@ -68,11 +68,14 @@ class TrainConfig:
     save_every: int
     keep: int
     max_steps: int
+    eval_every: int  # updates between validations (loss and greedy BLEU) besides epoch ends; 0: epoch ends only
+    patience: int  # stop after this many validations without a higher val BLEU; 0: never
 
 
 @dataclass(frozen=True)
 class AverageConfig:
     last_k: int
+    select: str  # last: the last last_k checkpoints | best: the last_k with the highest val BLEU
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ CHOICES = {
     "vocab.kind": ("word", "bpe"),
     "model.norm": ("post", "pre"),
     "train.precision": ("auto", "fp32", "bf16"),
+    "average.select": ("last", "best"),
     "score.metrics": tuple(METRICS),
 }
 POSITIVE = {
@@ -128,7 +132,7 @@ POSITIVE = {
     "model.h", "train.nproc", "train.nnodes", "train.max_tokens", "train.accum", "train.epochs",
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
-NON_NEGATIVE = {"train.save_every", "train.max_steps", "decode.max_len_extra", "decode.alpha"}
+NON_NEGATIVE = {"train.save_every", "train.max_steps", "train.eval_every", "train.patience", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown", "train.bpe_dropout"}  # in [0, 1)
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 
@@ -229,7 +233,7 @@ def _check_values(p: Params, source: str) -> None:
         fail("decode.testsets", "must name at least one test set")
     if not LABEL.fullmatch(p.report.label):
         fail("report.label", "may hold only letters, digits, '_', '.' and '-'")
-    if p.average.last_k > p.train.keep:
+    if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
 
 

@@ -107,10 +107,16 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
                          + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
-            ["averaged", f"last {p.average.last_k} checkpoints" if p.average.last_k > 1 else "no: the last checkpoint alone"],
+            ["averaged", _averaged(p.average.last_k, p.average.select)],
             ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
             ["training time", model["training time"]]]
     return _table(["", ""], rows)
+
+
+def _averaged(k: int, select: str) -> str:
+    if select == "best":
+        return f"the {k} checkpoints with the highest val BLEU" if k > 1 else "no: the checkpoint with the highest val BLEU"
+    return f"last {k} checkpoints" if k > 1 else "no: the last checkpoint alone"
 
 
 def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:

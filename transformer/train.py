@@ -25,7 +25,9 @@ from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import token_loss
 from transformer.model import make_model
 from transformer.schedule import rate
-from transformer.vocab import PAD, load_vocabs
+from transformer.score import score_lines
+from transformer.translate import search_batches, to_text
+from transformer.vocab import EOS, PAD, load_vocabs, vocab_from_state
 
 TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a resumable run must share
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
@@ -95,15 +97,18 @@ def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
     return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
 
 
-def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None) -> dict[str, Any]:
+def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,
+          references: Path | None = None) -> dict[str, Any]:
     """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking.
-    `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0."""
+    `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0. With the raw
+    reference translations of the validation split, each validation also measures greedy BLEU."""
     env = setup_distributed()
     p = params.train
     torch.manual_seed(p.seed)
     src_vocab, tgt_vocab = load_vocabs(vocab_dir)
     corpus = _training_split(params, vocab_dir, tokenized, src_vocab)
     valid = ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")
+    refs = _references(references, len(valid), p.patience, env.main)
     m = params.model
     model = make_model(len(src_vocab), len(tgt_vocab), m.N, m.d_model, m.d_ff, m.h, m.dropout, m.norm, m.tie_embeddings, PAD)
     model.to(env.device)
@@ -114,7 +119,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
                  {"model_config": _model_config(params, src_vocab, tgt_vocab),
-                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity})
+                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity}, refs)
     try:
         summary = loop.run()
     except torch.cuda.OutOfMemoryError:
@@ -154,6 +159,26 @@ def _training_split(params: Params, vocab_dir: Path, tokenized: Path | None, voc
     # Each rank segments the whole split (the same ids everywhere), on its share of the node's cores.
     workers = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return TrainingSplit(fixed, vocab, lines, dropout, params.train.seed, workers)
+
+
+def _references(path: Path | None, lines: int, patience: int, main: bool) -> list[str] | None:
+    """The validation references, one per validation pair, read by rank 0 alone (it validates);
+    without them BLEU is not measured."""
+    if path is None and patience:
+        raise TrainingError("train.patience stops on val BLEU, which needs the validation references (--references)")
+    if path is None or not main:
+        return None
+    refs = read_lines(path)
+    if len(refs) != lines:
+        raise DataError(f"{path}: {len(refs)} reference lines, but the validation split has {lines} pairs")
+    return refs
+
+
+def patience_spent(bleus: list[float], patience: int) -> bool:
+    """True once the last `patience` validations all scored no higher than the best before them."""
+    if not patience or len(bleus) <= patience:
+        return False
+    return max(bleus[-patience:]) <= max(bleus[:-patience])
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
@@ -287,7 +312,7 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
 
 
 class _Loop:
-    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta):
+    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references=None):
         self.params, self.p, self.env = params, params.train, env
         self.model, self.optimizer = model, optimizer
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
@@ -300,9 +325,14 @@ class _Loop:
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
+        self.references, self.stopped = references, False
+        self.tgt_vocab = vocab_from_state(meta["vocab"]["tgt"])
 
     def run(self) -> dict[str, Any]:
         pr, p = self.progress, self.p
+        # Every rank resumed the same history; later, rank 0 alone records validations.
+        self.stopped = patience_spent(_bleus(pr.epochs), p.patience)
+        self.validated_at = pr.epochs[-1]["step"] if pr.epochs else -1
         while pr.epoch < p.epochs and not self._done():
             self.corpus = self._epoch_corpus()
             batches = token_batches(self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch)
@@ -319,7 +349,7 @@ class _Loop:
                 break
             pr.epoch, pr.step_in_epoch = pr.epoch + 1, 0
             self._end_of_epoch()
-        finished_here = pr.epochs and pr.epochs[-1]["step"] == pr.step  # a rerun of a finished run adds nothing
+        finished_here = self.validated_at == pr.step  # a rerun of a finished run adds nothing
         if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._end_of_epoch(partial=True)
         return self._write_reports()
@@ -336,7 +366,7 @@ class _Loop:
         return corpus
 
     def _done(self) -> bool:
-        return 0 < self.p.max_steps <= self.progress.step
+        return 0 < self.p.max_steps <= self.progress.step or self.stopped
 
     def _epoch(self, groups: list[list[list[int]]]) -> None:
         from tqdm import tqdm
@@ -350,7 +380,10 @@ class _Loop:
             bar.update(1)
             if len(self.pending) >= LOG_EVERY:
                 bar.set_postfix(self._sync())
-            if self.p.save_every and pr.step % self.p.save_every == 0:
+            if self.p.eval_every and pr.step % self.p.eval_every == 0 and pr.step_in_epoch < len(groups):
+                self._validate_and_save(pr.epoch + pr.step_in_epoch / len(groups))  # the epoch's end validates anyway
+                self.tick = time.perf_counter()  # training time leaves validation out, as at epoch ends
+            elif self.p.save_every and pr.step % self.p.save_every == 0:
                 self._save()
             if self._done():
                 break
@@ -424,20 +457,57 @@ class _Loop:
             nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
         return nll / tokens, math.exp(min(nll / tokens, 50))
 
+    @torch.no_grad()
+    def validate_bleu(self) -> float:
+        """sacreBLEU of greedy translations of the validation split, searched, batched and detokenized
+        as the decode stage does with beam 1, against the raw references."""
+        self.model.eval()
+        v, d = self.valid, self.params.decode
+        encoded = [v.src[v.src_off[i]:v.src_off[i + 1]].tolist() for i in range(len(v))]
+        encoded = [ids + [EOS] if ids else [] for ids in encoded]
+        hyps = [""] * len(v)
+        for batch, outputs in search_batches(self.model, encoded, 1, 0.0, d.max_len_extra, d.batch_tokens, self.env.device):
+            for i, ids in zip(batch, outputs):
+                hyps[i] = to_text(self.tgt_vocab, ids)
+        return score_lines(hyps, self.references, self.params.data.tgt_lang, ("bleu",))["bleu"]
+
     def _end_of_epoch(self, partial: bool = False) -> None:
+        self._validate_and_save(self.progress.epoch + (1 if partial else 0))
+
+    def _validate_and_save(self, epoch: float) -> None:
+        """Validation on rank 0 (loss, and BLEU with references), a checkpoint, then the early-stopping verdict."""
         self._sync()
         pr = self.progress
         if self.env.main:
             val_loss, val_ppl = self.validate()
             recent = [r["loss"] for r in pr.steps[-200:]]
-            row = {"epoch": pr.epoch + (1 if partial else 0), "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1),
+            row = {"epoch": epoch, "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1),
                    "val_loss": val_loss, "val_ppl": val_ppl}
+            if self.references is not None:
+                row["val_bleu"] = self.validate_bleu()
             pr.epochs.append(row)
-            print(f"epoch {row['epoch']}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {val_loss:.3f}, "
-                  f"val ppl {val_ppl:.2f}, {pr.train_time_s / 60:.1f} min", file=sys.stderr)
+            bleu = f", val BLEU {row['val_bleu']:.2f}" if "val_bleu" in row else ""
+            print(f"epoch {epoch:.4g}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {val_loss:.3f}, "
+                  f"val ppl {val_ppl:.2f}{bleu}, {pr.train_time_s / 60:.1f} min", file=sys.stderr)
             if self.tracker:
-                self.tracker.log_metrics({"val_loss": val_loss, "val_ppl": val_ppl}, pr.step)
+                self.tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
+        self.validated_at = pr.step
         self._save()
+        self._check_patience()
+
+    def _check_patience(self) -> None:
+        """Rank 0 decides from the history and tells the others, so every rank stops at the same update."""
+        if not self.p.patience:
+            return
+        stopped = self.env.main and patience_spent(_bleus(self.progress.epochs), self.p.patience)
+        if self.env.world > 1:
+            flag = torch.tensor([int(stopped)], device=self.env.device)
+            dist.broadcast(flag, 0)
+            stopped = bool(flag.item())
+        if stopped and self.env.main:
+            print(f"val BLEU has not risen for {self.p.patience} validations "
+                  f"(best {max(_bleus(self.progress.epochs)):.2f}): stopping early", file=sys.stderr)
+        self.stopped = stopped
 
     def _save(self) -> None:
         self._sync()  # never checkpoint weights whose losses were not checked
@@ -461,19 +531,24 @@ class _Loop:
             "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
             "history": {"steps": pr.steps, "epochs": pr.epochs}, "mlflow_run_id": pr.mlflow_run_id, **self.meta,
         })
-        checkpoints.prune(self.ckpt_dir, self.p.keep)
+        a = self.params.average  # with select best, its candidates stay until better ones replace them
+        best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
+        checkpoints.prune(self.ckpt_dir, self.p.keep, best)
         self._write_reports()
 
     def _write_reports(self) -> dict[str, Any]:
         pr = self.progress
         last = pr.epochs[-1] if pr.epochs else {}
         recent = pr.steps[-50:]
+        bleus = _bleus(pr.epochs)
         summary = {"steps": pr.step, "epochs": last.get("epoch", 0), "val_loss": last.get("val_loss"),
-                   "val_ppl": last.get("val_ppl"), "train_time_s": round(pr.train_time_s, 1),
+                   "val_ppl": last.get("val_ppl"), "val_bleu": last.get("val_bleu"), "best_val_bleu": max(bleus, default=None),
+                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1),
                    "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
-            _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl"))
+            columns = ("epoch", "step", "train_loss", "val_loss", "val_ppl") + (("val_bleu",) if bleus else ())
+            _write_tsv(self.out.epochs, pr.epochs, columns)
             write_json(self.out.summary, summary)
         return summary
 
@@ -487,6 +562,11 @@ def validation_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_token
     return [fits[b].tolist() for b in batches] + [[i] for i in too_long.tolist()]
 
 
+def _bleus(rows: list[dict[str, float]]) -> list[float]:
+    """The val BLEU of each validation that measured it, in order."""
+    return [r["val_bleu"] for r in rows if "val_bleu" in r]
+
+
 def _write_tsv(path: Path, rows: list[dict[str, float]], columns: tuple[str, ...]) -> None:
-    lines = ["\t".join(columns)] + ["\t".join(f"{row[c]:.6g}" for c in columns) for row in rows]
+    lines = ["\t".join(columns)] + ["\t".join(f"{row[c]:.6g}" if c in row else "nan" for c in columns) for row in rows]
     write_text(path, "\n".join(lines) + "\n")

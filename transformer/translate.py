@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,19 +45,32 @@ class Translator:
         from tqdm import tqdm
 
         encoded = [self.src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]
-        order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
         out = [""] * len(lines)
-        bar = tqdm(total=len(order), unit="sent", disable=not progress, file=sys.stderr, mininterval=1)
-        for batch in _batches(order, encoded, max(1, batch_tokens // beam)):
-            src = torch.nn.utils.rnn.pad_sequence([torch.tensor(encoded[i]) for i in batch], batch_first=True,
-                                                  padding_value=PAD).to(self.device)
-            max_len = torch.tensor([len(encoded[i]) + max_len_extra for i in batch], device=self.device)
-            for i, ids in zip(batch, beam_search(self.model, src, beam, alpha, max_len, BOS, EOS)):
-                out[i] = detokenize(self.tgt_vocab.decode(ids))
+        bar = tqdm(total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1)
+        for batch, outputs in search_batches(self.model, encoded, beam, alpha, max_len_extra, batch_tokens, self.device):
+            for i, ids in zip(batch, outputs):
+                out[i] = to_text(self.tgt_vocab, ids)
                 self.tokens_out += len(ids) + 1  # + </s>
             bar.update(len(batch))
         bar.close()
         return out
+
+
+def search_batches(model, encoded: list[list[int]], beam: int, alpha: float, max_len_extra: int, batch_tokens: int,
+                   device: torch.device) -> Iterator[tuple[list[int], list[list[int]]]]:
+    """(sentence indices, output ids) batch by batch, shortest sources first; each source ends in
+    </s>; empty sources are skipped. The decode stage and validation during training both use it."""
+    order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
+    for batch in _batches(order, encoded, max(1, batch_tokens // beam)):
+        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(encoded[i]) for i in batch], batch_first=True,
+                                              padding_value=PAD).to(device)
+        max_len = torch.tensor([len(encoded[i]) + max_len_extra for i in batch], device=device)
+        yield batch, beam_search(model, src, beam, alpha, max_len, BOS, EOS)
+
+
+def to_text(tgt_vocab, ids: list[int]) -> str:
+    """Output ids to detokenized text: what the decode stage writes and BLEU scores."""
+    return detokenize(tgt_vocab.decode(ids))
 
 
 def _batches(order: list[int], encoded: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -334,7 +334,7 @@ def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tm
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
     last = checkpoints.listed(tmp_path / "ckpt")[-1]
     sources = read_lines(vocab_dir.parent / "tok" / "val.de")
-    hyps = Translator(last, device="cpu").translate_tokenized(sources, beam=1, max_len_extra=20, batch_tokens=150)
+    hyps = Translator(last, device="cpu").translate_tokenized(sources, beam=1, alpha=0.0, max_len_extra=20, batch_tokens=150)
     expected = score_lines(hyps, read_lines(vocab_dir.parent / "toy" / "val.en"), "en", ("bleu",))["bleu"]
     assert rows[-1]["val_bleu"] == pytest.approx(expected, abs=1e-4) and expected > rows[0]["val_bleu"]
     assert json.loads((tmp_path / "reports" / "train.json").read_text())["val_bleu"] == pytest.approx(expected)

@@ -166,7 +166,7 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp_file(tmp_path, m
     before = path.read_bytes()
 
     def disk_full(obj, f, *args, **kwargs):
-        Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
+        f.write(b"PK\x03\x04 half a checkpoint")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)

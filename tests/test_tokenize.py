@@ -77,6 +77,7 @@ def test_misaligned_split_reports_both_line_counts(tmp_path):
     _write(tmp_path / "raw", "train", ["Ein Hund.", "Eine Katze.", "Ein Pferd."], ["A dog.", "A cat."])
     with pytest.raises(DataError, match="misaligned") as e:
         tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+    assert str(e.value).startswith(f"{tmp_path / 'raw' / 'train.de'}: ")
     assert "has 3 lines" in str(e.value) and "has 2" in str(e.value)
 
 
@@ -112,8 +113,9 @@ def test_empty_file_is_a_data_error(tmp_path):
 
 def test_train_split_with_nothing_left_after_filtering_is_a_data_error(tmp_path):
     _write(tmp_path / "raw", "train", ["", "x"], ["y", ""])
-    with pytest.raises(DataError, match="no training pair left"):
+    with pytest.raises(DataError, match="no training pair left") as e:
         tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+    assert str(e.value).startswith(f"{tmp_path / 'raw' / 'train.de'}: ")
 
 
 def test_non_utf8_input_names_file_and_line(tmp_path):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from transformer.io import DataError, atomic_path
+from transformer.io import DataError, save_torch
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 MODEL_KEYS = ("model", "model_config", "params", "vocab", "step")
@@ -20,8 +20,7 @@ RESUME_KEYS = MODEL_KEYS + ("optimizer", "epoch", "step_in_epoch", "rng", "histo
 
 def save(path: Path, checkpoint: dict[str, Any]) -> None:
     """Atomic: a failure (disk full, kill) leaves the previous file, never a torn one."""
-    with atomic_path(path) as tmp:
-        torch.save(checkpoint, tmp)
+    save_torch(checkpoint, path)
 
 
 def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, Any]:

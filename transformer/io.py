@@ -30,11 +30,12 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp)
     try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tmp.chmod(0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
-        os.replace(tmp, path)
+        with _naming(path, tmp):
+            yield tmp
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            tmp.chmod(0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -44,15 +45,43 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Like atomic_path for a directory output: built aside, swapped in whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        yield tmp
-        tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes 0700; outputs get the usual mode
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        with _naming(path, tmp):
+            yield tmp
+            tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes 0700; outputs get the usual mode
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _naming(path: Path, tmp: Path) -> Iterator[None]:
+    """An OSError while writing (a full disk) names the output, not its temporary file."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or str(tmp) in str(e.filename):
+            raise OSError(e.errno, f"could not write: {e.strerror or e}", str(path)) from None
+        raise
+
+
+def save_torch(obj: Any, path: Path | str) -> None:
+    """torch.save, atomically; a failed write (a full disk) raises its own OSError, not torch's RuntimeError."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        try:
+            with open(tmp, "wb") as f:  # through Python's file, whose write error torch keeps as the context
+                torch.save(obj, f)
+        except RuntimeError as e:
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
 
 
 def write_text(path: Path | str, text: str) -> None:

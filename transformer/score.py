@@ -48,7 +48,7 @@ def signatures(scores: dict[str, Any]) -> dict[str, str]:
 def score_files(hyp_path: Path, ref_path: Path, lang: str, metrics: tuple[str, ...]) -> dict[str, Any]:
     hyps, refs = read_lines(hyp_path), read_lines(ref_path)
     if len(hyps) != len(refs):
-        raise DataError(f"{hyp_path} has {len(hyps)} lines but the reference {ref_path} has {len(refs)}")
+        raise DataError(f"{hyp_path}: has {len(hyps)} lines but the reference {ref_path} has {len(refs)}")
     return score_lines(hyps, refs, lang, metrics)
 
 

@@ -35,8 +35,8 @@ def process_age() -> float | None:
 
 
 def stage(fn):
-    """Turns the project's errors into `error: <message>` and exit status 1, never a traceback,
-    and adds --timing."""
+    """Turns the project's errors and failed reads or writes (OSError) into `error: <message>` and
+    exit status 1, never a traceback, and adds --timing."""
 
     @functools.wraps(fn)
     def wrapper(*args, timing: Path | None = None, **kwargs):
@@ -45,6 +45,10 @@ def stage(fn):
             result = fn(*args, **kwargs)
         except ERRORS as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except OSError as e:  # a full disk, a read-only or missing directory: the system's fault, not ours
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(1)
         wall = time.perf_counter() - start
         click.echo(f"{Path(sys.argv[0]).stem}: done in {wall:.1f} s", err=True)

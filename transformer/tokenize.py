@@ -58,13 +58,13 @@ def tokenize_corpus(
         paths = [raw_dir / f"{split}.{lang}" for lang in langs]
         src_raw, tgt_raw = (read_lines(p) for p in paths)
         if len(src_raw) != len(tgt_raw):
-            raise DataError(f"{paths[0]} has {len(src_raw)} lines but {paths[1]} has {len(tgt_raw)}: the corpus is misaligned")
+            raise DataError(f"{paths[0]}: has {len(src_raw)} lines, but {paths[1]} has {len(tgt_raw)}: the corpus is misaligned")
         if not src_raw:
             raise DataError(f"{paths[0]}: empty file (split '{split}')")
         src = list(tokenizers[langs[0]].pipe(src_raw))
         tgt = list(tokenizers[langs[1]].pipe(tgt_raw))
         if split == train_split:
-            src, tgt, dropped = _filter(src, tgt, max_len)
+            src, tgt, dropped = _filter(src, tgt, max_len, paths[0])
             stats.update({f"{split}.dropped_{k}": v for k, v in dropped.items()})
         stats[f"{split}.pairs"] = len(src)
         write_lines(out_dir / f"{split}.{langs[0]}", src)
@@ -72,7 +72,7 @@ def tokenize_corpus(
     return stats
 
 
-def _filter(src: list[str], tgt: list[str], max_len: int) -> tuple[list[str], list[str], dict[str, int]]:
+def _filter(src: list[str], tgt: list[str], max_len: int, where: Path) -> tuple[list[str], list[str], dict[str, int]]:
     keep_src, keep_tgt, dropped = [], [], {"empty": 0, "long": 0}
     for s, t in zip(src, tgt):
         if not s or not t:
@@ -83,5 +83,5 @@ def _filter(src: list[str], tgt: list[str], max_len: int) -> tuple[list[str], li
             keep_src.append(s)
             keep_tgt.append(t)
     if not keep_src:
-        raise DataError(f"no training pair left after filtering ({dropped['empty']} empty, {dropped['long']} longer than {max_len} tokens)")
+        raise DataError(f"{where}: no training pair left after filtering ({dropped['empty']} empty, {dropped['long']} longer than {max_len} tokens)")
     return keep_src, keep_tgt, dropped

@@ -156,13 +156,15 @@ class Tracker:
 
 @contextlib.contextmanager
 def _store_errors() -> Iterator[None]:
-    """A tracking store that refuses a write: one clear error, not MLflow's traceback."""
+    """A tracking store that refuses a write, or a server that died: one clear error, not a traceback."""
     from mlflow.exceptions import MlflowException
 
     try:
         yield
     except MlflowException as e:
         raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
+    except (OSError, ConnectionError) as e:  # requests' and urllib3's errors when no server answers any more
+        raise TrackingError(f"MLflow ({tracking_uri()}): {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
 
 
 def dvc_exp_name() -> str | None:

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import heapq
 import math
+import pickle
 import random
 import tempfile
 from array import array
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from transformer.io import DataError, atomic_path, read_lines, write_json, write_lines
+from transformer.io import DataError, atomic_path, read_lines, save_torch, write_json, write_lines
 
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 BOS, EOS, PAD, UNK = range(4)
@@ -192,8 +193,7 @@ def save_vocabs(out_dir: Path, src: Vocab, tgt: Vocab) -> None:
     else:
         write_lines(out_dir / "src.vocab", src.itos)
         write_lines(out_dir / "tgt.vocab", tgt.itos)
-    with atomic_path(out_dir / "vocab.pt") as tmp:
-        torch.save({"src": src.state(), "tgt": tgt.state()}, tmp)
+    save_torch({"src": src.state(), "tgt": tgt.state()}, out_dir / "vocab.pt")
     write_json(out_dir / "vocab.json", {"kind": src.kind, "src_size": len(src), "tgt_size": len(tgt),
                                         "src_fingerprint": fingerprint(src), "tgt_fingerprint": fingerprint(tgt)})
 
@@ -202,8 +202,12 @@ def load_vocabs(vocab_dir: Path | str) -> tuple[Vocab, Vocab]:
     path = Path(vocab_dir) / "vocab.pt"
     if not path.exists():
         raise DataError(f"{path}: vocabulary not found (run the build_vocab stage)")
-    state = torch.load(path, weights_only=True)
-    return vocab_from_state(state["src"]), vocab_from_state(state["tgt"])
+    try:
+        state = torch.load(path, weights_only=True)
+        return vocab_from_state(state["src"]), vocab_from_state(state["tgt"])
+    except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError, ValueError, AttributeError) as e:
+        # truncated, not a vocabulary, pickled code: one line naming the file, never a traceback
+        raise DataError(f"{path}: not a vocabulary of this project ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
 
 
 def encode_corpus(vocab: Vocab, lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +275,6 @@ def build_vocabs(
     tok_dir: Path, out_dir: Path, langs: tuple[str, str], kind: str, size: int, min_freq: int, train: str, valid: str
 ) -> dict[str, int]:
     """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays."""
-    src_lang, tgt_lang = langs
     train_src, train_tgt = (read_lines(tok_dir / f"{train}.{lang}") for lang in langs)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bpe":
@@ -280,10 +283,13 @@ def build_vocabs(
         src, tgt = WordVocab.build(train_src, min_freq), WordVocab.build(train_tgt, min_freq)
     save_vocabs(out_dir, src, tgt)
     for split in (train, valid):
-        src_ids, src_off = encode_corpus(src, read_lines(tok_dir / f"{split}.{src_lang}"))
-        tgt_ids, tgt_off = encode_corpus(tgt, read_lines(tok_dir / f"{split}.{tgt_lang}"))
-        with atomic_path(out_dir / f"{split}.pt") as tmp:
-            torch.save({"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, tmp)
+        paths = [tok_dir / f"{split}.{lang}" for lang in langs]
+        src_lines, tgt_lines = (read_lines(path) for path in paths)
+        if len(src_lines) != len(tgt_lines):
+            raise DataError(f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned")
+        src_ids, src_off = encode_corpus(src, src_lines)
+        tgt_ids, tgt_off = encode_corpus(tgt, tgt_lines)
+        save_torch({"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, out_dir / f"{split}.pt")
     return {"src_size": len(src), "tgt_size": len(tgt)}
 
 

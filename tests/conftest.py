@@ -156,9 +156,11 @@ FAULTS = {
                      "test_checkpoints.py::test_checkpoint_lacking_keys", "test_checkpoints.py::test_file_that_is_not"],
     "6 training": ["test_train.py::test_diverging", "test_checkpoints.py::test_failed_save"],
     "7 tracking": ["test_train.py::test_unreachable_tracking"],
-    "8 interruptions": ["test_train.py::test_killed_training", "test_interruptions.py::test_decode_killed"],
+    "8 interruptions": ["test_train.py::test_killed_training", "test_interruptions.py::test_decode_killed",
+                        "test_pipeline.py::test_repro_killed"],
     "9 ddp": ["test_interruptions.py::test_dead_ddp_worker", "test_scale_out.py::test_two_ranks_with_dropout_resume",
               "test_scale_out.py::test_two_nodes_without_a_shared_disk", "test_scale_out.py::test_nodes_with_other_params"],
+    "10 command line": ["test_faults_cli.py::"],
 }
 _fault_results: dict[str, list[bool]] = {}
 

@@ -80,7 +80,9 @@ def test_output_is_at_most_source_length_plus_extra(translator):
 def test_outputs_contain_only_target_words(translator):
     _, tgt = _vocabs()
     words = set(tgt.itos[4:])
-    for line in translator.translate_tokenized(SRC_LINES, **_search(beam=3, max_len_extra=4)):
+    out = translator.translate_tokenized(SRC_LINES, **_search(beam=3, max_len_extra=4))
+    assert sum(len(line.split()) for line in out) > 0, "an empty output proves nothing"
+    for line in out:
         assert set(line.split()) <= words, line
 
 
@@ -96,7 +98,12 @@ def test_timed_translate_reports_speed(translator):
 
 
 def test_same_vocabulary_passes_the_check(translator, tmp_path):
-    translator.check_vocab(*_vocabs(), tmp_path)
+    from transformer.vocab import fingerprint, load_vocabs, save_vocabs
+
+    save_vocabs(tmp_path, *_vocabs())  # as build_vocab writes it and decode reads it back
+    src, tgt = load_vocabs(tmp_path)
+    assert (fingerprint(src), fingerprint(tgt)) == (fingerprint(translator.src_vocab), fingerprint(translator.tgt_vocab))
+    translator.check_vocab(src, tgt, tmp_path)  # raises DataError on a mismatch
 
 
 def test_other_vocabulary_is_refused(translator, tmp_path):

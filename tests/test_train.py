@@ -124,38 +124,77 @@ def uninterrupted(tmp_path_factory):
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
-    # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 12 + 0.3 s) several times over
+    # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
     params = _write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
     run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT)
     return params, tmp / "vocab", tmp / "out"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_killed_training_resumes_to_bit_identical_weights(tmp_path, uninterrupted, seed):
-    """SIGKILL at a random point (after a random checkpoint, plus a random delay), then rerun."""
-    import random
+# Where the kill lands: (the newest checkpoint step to wait for, or 0 for "as soon as the first epoch
+# starts"; then a delay in seconds). With save_every 3 and keep 3: before any checkpoint, just after
+# one, between two (a few updates on, ~11 ms each), and late, after older checkpoints were pruned.
+KILL_POINTS = {"before-any-checkpoint": (0, 0.0), "just-after-a-checkpoint": (6, 0.0),
+               "between-checkpoints": (9, 0.02), "after-pruning": (30, 0.1)}
+
+
+@pytest.mark.parametrize("landing", KILL_POINTS)
+def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_average(tmp_path, uninterrupted, landing):
+    """SIGKILL at a chosen point, then rerun: every kept checkpoint (weights and optimizer), the epoch
+    report and the averaged model equal the uninterrupted run's."""
+    import threading
 
     params, vocab, reference = uninterrupted
-    rng = random.Random(seed)
-    after_step, delay = rng.choice([3, 6, 9, 12]), rng.uniform(0.0, 0.3)
+    after_step, delay = KILL_POINTS[landing]
     interrupted = tmp_path / "interrupted"
     env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen([sys.executable] + _train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(int(p.stem.split("_")[1]) >= after_step for p in checkpoints.listed(interrupted / "ckpt")):
-        time.sleep(0.02)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    started = threading.Event()
+    threading.Thread(target=_watch_for_first_epoch, args=(proc, started), daemon=True).start()
+    assert started.wait(120), "training never started"
+    while after_step and not any(_step(p) >= after_step for p in checkpoints.listed(interrupted / "ckpt")):
+        assert proc.poll() is None, "training ended before the kill"
+        time.sleep(0.005)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done_before = checkpoints.listed(interrupted / "ckpt")[-1]
-    assert done_before.name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
+    before = checkpoints.listed(interrupted / "ckpt")
+    assert not before or before[-1].name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
 
     result = run([sys.executable] + _train_cmd(params, vocab, interrupted), ROOT)
-    assert "resuming from" in result.stderr
-    expected, actual = _final_weights(reference), _final_weights(interrupted)
-    assert expected.keys() == actual.keys()
-    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+    assert ("resuming from" in result.stderr) == bool(before)
+    kept, expected = checkpoints.listed(interrupted / "ckpt"), checkpoints.listed(reference / "ckpt")
+    assert [p.name for p in kept] == [p.name for p in expected]
+    for mine, theirs in zip(kept, expected):
+        a, b = checkpoints.load(mine, checkpoints.RESUME_KEYS), checkpoints.load(theirs, checkpoints.RESUME_KEYS)
+        assert _same(a["model"], b["model"]) and _same(a["optimizer"], b["optimizer"]), mine.name
+        assert (a["step"], a["epoch"], a["history"]["epochs"]) == (b["step"], b["epoch"], b["history"]["epochs"])
+    assert (interrupted / "reports/train_epochs.tsv").read_bytes() == (reference / "reports/train_epochs.tsv").read_bytes()
+    averaged = [checkpoints.average_checkpoints(out / "ckpt", 3)["model"] for out in (interrupted, reference)]
+    assert _same(*averaged)
+    assert not list((interrupted / "ckpt").glob(".*.tmp"))
+
+
+def _step(path: Path) -> int:
+    return int(checkpoints.PATTERN.match(path.name).group(1))
+
+
+def _watch_for_first_epoch(proc: subprocess.Popen, started) -> None:
+    """Sets `started` when the progress bar of epoch 1 appears; keeps draining stderr."""
+    for line in proc.stderr:
+        if "epoch 1/" in line:
+            started.set()
+
+
+def _same(a, b) -> bool:
+    """Exact equality of nested dicts and lists of tensors and numbers."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model on a busy host: waking threads costs more than it gives
@@ -230,6 +269,36 @@ def test_changed_params_start_afresh_instead_of_resuming(tmp_path, vocab_dir):
     result = run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out), ROOT)
     assert "starting afresh" in result.stderr and "resuming" not in result.stderr
     assert checkpoints.load(checkpoints.listed(out / "ckpt")[-1])["params"]["train"]["warmup"] == 50
+
+
+def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_path, vocab_dir):
+    """Each change is named in the one line that says the run starts afresh; nothing stale is continued."""
+    import shutil
+
+    from transformer.io import read_lines
+    from transformer.vocab import build_vocabs, encode_corpus, load_vocabs
+
+    out, steps = tmp_path / "out", {"train.epochs": 1, "train.max_steps": 2}
+    run([sys.executable] + _train_cmd(_write_params(tmp_path, **steps), vocab_dir, out), ROOT)
+    fewer_pairs = tmp_path / "fewer_pairs"  # the same vocabulary, one training pair less
+    shutil.copytree(vocab_dir, fewer_pairs)
+    src, tgt = load_vocabs(vocab_dir)
+    arrays = {}
+    for side, vocab, lang in (("src", src, "de"), ("tgt", tgt, "en")):
+        arrays[side], arrays[f"{side}_offsets"] = encode_corpus(vocab, read_lines(tmp_path / "tok" / f"train.{lang}")[:-1])
+    torch.save(arrays, fewer_pairs / "train.pt")
+    other_vocab = tmp_path / "other_vocab"
+    build_vocabs(tmp_path / "tok", other_vocab, ("de", "en"), "bpe", 100, 1, "train", "val")
+    changes = [(fewer_pairs, {}, "the training data (token ids) changed"),
+               (other_vocab, {}, "the vocabulary (vocab.pt) changed"),
+               (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48")]
+    for vocab, model, why in changes:
+        newest = checkpoints.listed(out / "ckpt")[-1]
+        result = run([sys.executable] + _train_cmd(_write_params(tmp_path, **steps, **model), vocab, out), ROOT)
+        said = [line for line in result.stderr.splitlines() if "afresh" in line or "resuming" in line]
+        assert said == [f"{newest}: not resumed, {why}; starting afresh"], result.stderr[-2000:]
+        fresh = checkpoints.load(checkpoints.listed(out / "ckpt")[-1], checkpoints.RESUME_KEYS)
+        assert fresh["step"] == 2 and fresh["identity"]["params"]["model"]["d_ff"] == model.get("model.d_ff", 64)
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:

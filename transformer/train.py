@@ -216,7 +216,8 @@ def _read_resume_state(ckpt_dir: Path, identity: dict) -> dict[str, Any] | None:
                         "train_time_s": ckpt.get("train_time_s", 0.0), "steps": h["steps"], "epochs": h["epochs"],
                         "mlflow_run_id": ckpt.get("mlflow_run_id")}
             return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
-        print(f"{ckpt_dir}: checkpoints were made with other params or data; starting afresh", file=sys.stderr)
+        print(f"{found[-1]}: not resumed, {_identity_change(ckpt.get('identity'), identity)}; starting afresh",
+              file=sys.stderr)
     for old in found:
         old.unlink()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -293,6 +294,22 @@ def _map(x: Any, fn) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(fn(v) for v in x)
     return x
+
+
+def _identity_change(old: dict | None, new: dict) -> str:
+    """What differs between a checkpoint's run and this one: a param, the vocabulary or the data."""
+    if not old:
+        return "it records no params"
+    if old.get("data", "")[:16] != new["data"][:16]:
+        return "the vocabulary (vocab.pt) changed"
+    if old.get("data") != new["data"]:
+        return "the training data (token ids) changed"
+    for section, values in new["params"].items():
+        before = old.get("params", {}).get(section, {})
+        for key, value in values.items():
+            if before.get(key) != value:
+                return f"{section}.{key} was {before.get(key)!r}, now {value!r}"
+    return "its params differ"
 
 
 def _start_tracking(params: Params, progress: Progress, tracker_factory):

@@ -95,14 +95,20 @@ def test_the_same_data_draws_the_same_bytes(tmp_path):
 
 
 @pytest.mark.slow
-def test_figures_stage_draws_and_reports_a_missing_model_in_one_line(tmp_path):
+def test_figures_stage_draws_the_same_bytes_in_two_processes_and_reports_a_missing_model_in_one_line(tmp_path):
     ckpt, source, reports = _checkpoint(tmp_path)
     checkpoints.save(tmp_path / "model.pt", ckpt)
     cmd = [str(BIN / "python"), str(ROOT / "stages/figures.py"), "--params", str(ROOT / "params.yaml"),
            "--source", str(source), "--steps", str(reports / "train_steps.tsv"), "--epochs", str(reports / "train_epochs.tsv"),
-           "--out", str(tmp_path / "figures"), "--no-track"]
-    drawn = run(cmd + ["--model", str(tmp_path / "model.pt")], tmp_path)
-    assert "drew 11 figures" in drawn.stderr and (tmp_path / "figures/lr_schedule.png").exists()
+           "--no-track"]
+    drawn = {}
+    for out, hash_seed in (("figures", "1"), ("figures2", "2")):  # other processes, other str hashes
+        result = run(cmd + ["--model", str(tmp_path / "model.pt"), "--out", str(tmp_path / out)], tmp_path,
+                     env={"PYTHONHASHSEED": hash_seed})
+        assert "drew 11 figures" in result.stderr
+        drawn[out] = {p.name: p.read_bytes() for p in sorted((tmp_path / out).iterdir())}
+    assert len(drawn["figures"]) == 11 and drawn["figures"] == drawn["figures2"]
+    cmd += ["--out", str(tmp_path / "figures")]
     failed = run(cmd + ["--model", str(tmp_path / "missing.pt")], tmp_path, check=False)
     assert failed.returncode == 1 and "error:" in failed.stderr and "missing.pt" in failed.stderr
     assert "Traceback" not in failed.stderr

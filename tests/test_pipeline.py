@@ -5,7 +5,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -127,3 +132,111 @@ def test_download_stage_reads_the_mirror_and_verifies_checksums(tmp_path):
     assert failed.returncode == 1
     assert "val.en.gz: checksum mismatch" in failed.stderr and "Traceback" not in failed.stderr
     assert not (tmp_path / "raw").exists()
+
+
+# The toy pipeline at its smallest that still exercises every path: 3 epochs, a checkpoint every
+# 10 updates (so a kill in the first epoch has something to resume from).
+SMALL = {"train.epochs": 3, "train.save_every": 10, "average.last_k": 2}
+
+
+def _env() -> dict:
+    from conftest import free_port
+
+    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())}
+
+
+def _tree(directory: Path) -> dict[str, str]:
+    """sha256 of every file under `directory`, by relative path."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def clean_repro(tmp_path_factory) -> Path:
+    """One clean `dvc repro` of the toy pipeline at the smallest settings, shared read-only."""
+    repo = project_copy(tmp_path_factory.mktemp("clean"), tiny_params(**SMALL))
+    run([DVC, "repro"], repo, timeout=1200)
+    return repo
+
+
+@pytest.mark.slow
+def test_two_clean_repros_in_separate_directories_are_byte_identical(tmp_path, clean_repro):
+    other = project_copy(tmp_path, tiny_params(**SMALL))
+    run([DVC, "repro"], other, timeout=1200)
+    for name in ("data/model/model.pt", "reports/scores.json"):
+        assert hashlib.sha256((other / name).read_bytes()).digest() == hashlib.sha256((clean_repro / name).read_bytes()).digest(), name
+    for name in ("data/translations", "reports/figures"):
+        mine, theirs = _tree(other / name), _tree(clean_repro / name)
+        assert mine and mine == theirs, name
+
+
+def _start_repro(repo: Path) -> subprocess.Popen:
+    return subprocess.Popen([DVC, "repro"], cwd=repo, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group: the kill takes the stage with it
+
+
+def _kill_when(repro: subprocess.Popen, ready, what: str, seconds: float = 900) -> None:
+    """SIGKILLs `dvc repro` and everything it started as soon as `ready()` holds."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert repro.poll() is None, f"dvc repro ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} in {seconds} s"
+        time.sleep(0.002)
+    os.killpg(repro.pid, signal.SIGKILL)
+    repro.wait()
+
+
+def _temp_files(repo: Path) -> list[str]:
+    return sorted(str(p.relative_to(repo)) for p in (repo / "data").rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_repro_killed_in_every_writing_stage_resumes_to_a_clean_runs_outputs(tmp_path, clean_repro):
+    """kill -9 of `dvc repro` inside download, tokenize and build_vocab (mid-write: their output
+    directory is being built aside) and train (after a checkpoint); each rerun removes what the
+    killed one left, train resumes, and the outputs equal a clean run's."""
+    repo = project_copy(tmp_path, tiny_params(**SMALL))
+    data = repo / "data"
+    # download blocks on a FIFO standing for the last source file, its output half-built: a kill mid-write by design
+    source = repo / "toy" / "val.en"
+    source.unlink()
+    os.mkfifo(source)
+    _kill_when(_start_repro(repo), lambda: list(data.glob(".raw.*.tmp")), "download writing data/raw")
+    assert not (data / "raw").exists() and _temp_files(repo), "the kill did not land mid-write"
+    source.unlink()
+    run(["git", "checkout", "--", "toy/val.en"], repo)
+
+    _kill_when(_start_repro(repo), lambda: list(data.glob(".tokenized.*.tmp")), "tokenize writing data/tokenized")
+    assert not (data / "tokenized").exists() and list(data.glob(".tokenized.*.tmp"))
+    assert not list(data.glob(".raw.*.tmp")), "the rerun of download removed the temp folder the killed one left"
+
+    _kill_when(_start_repro(repo), lambda: list(data.glob(".vocab.*.tmp")), "build_vocab writing data/vocab")
+    assert not (data / "vocab").exists() and list(data.glob(".vocab.*.tmp"))
+    assert not list(data.glob(".tokenized.*.tmp"))
+
+    _kill_when(_start_repro(repo), lambda: list((data / "checkpoints").glob("ckpt_*.pt")), "a checkpoint")
+    assert not (data / "model").exists()
+
+    rerun = run([DVC, "repro"], repo, timeout=1200)
+    assert "resuming from data/checkpoints/ckpt_" in rerun.stderr + rerun.stdout
+    assert "Running stage 'download'" not in rerun.stdout and "Running stage 'build_vocab'" not in rerun.stdout
+    assert _temp_files(repo) == []
+    for name in ("data/raw", "data/tokenized", "data/vocab", "data/translations"):
+        assert _tree(repo / name) == _tree(clean_repro / name), name
+    model = "data/model/model.pt"
+    assert hashlib.sha256((repo / model).read_bytes()).hexdigest() == hashlib.sha256((clean_repro / model).read_bytes()).hexdigest()
+    assert "Data and pipelines are up to date" in run([DVC, "status"], repo).stdout
+
+
+@pytest.mark.slow
+def test_registry_change_reruns_download_and_mirror_change_reruns_nothing(tmp_path, clean_repro):
+    repo = tmp_path / "repo"
+    shutil.copytree(clean_repro, repo, symlinks=True)
+    mirrored = run([DVC, "repro"], repo, env={"TRANSFORMER_DATA_MIRROR": str(tmp_path / "elsewhere")})
+    assert "Running stage" not in mirrored.stdout  # where the files come from is not what they are
+    registry = repo / "toy" / "corpora.yaml"
+    registry.write_text(registry.read_text() + "# a comment is a change of the file\n")
+    assert "download" in run([DVC, "status"], repo).stdout
+    rerun = run([DVC, "repro"], repo)
+    assert "Running stage 'download'" in rerun.stdout
+    assert "Running stage 'tokenize'" not in rerun.stdout  # the same files downloaded: nothing downstream changes

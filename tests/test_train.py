@@ -126,7 +126,7 @@ def uninterrupted(tmp_path_factory):
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
     params = _write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
-    run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT)
+    run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test
     return params, tmp / "vocab", tmp / "out"
 
 
@@ -161,7 +161,7 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     before = checkpoints.listed(interrupted / "ckpt")
     assert not before or before[-1].name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
 
-    result = run([sys.executable] + _train_cmd(params, vocab, interrupted), ROOT)
+    result = run([sys.executable] + _train_cmd(params, vocab, interrupted), ROOT, timeout=1200)
     assert ("resuming from" in result.stderr) == bool(before)
     kept, expected = checkpoints.listed(interrupted / "ckpt"), checkpoints.listed(reference / "ckpt")
     assert [p.name for p in kept] == [p.name for p in expected]

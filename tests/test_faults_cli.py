@@ -33,14 +33,16 @@ def _commands() -> dict[str, list[str]]:
         "download": ["download.py", *p, "--out", "raw"],
         "tokenize": ["tokenize_corpus.py", *p, "--raw", "raw", "--out", "tok", "--report", "tokenize.json"],
         "build_vocab": ["build_vocab.py", *p, "--tokenized", "tok", "--out", "vocab"],
-        "train": ["train.py", *p, "--vocab", "vocab", "--checkpoints", "ckpt", "--reports", "reports", "--no-track"],
+        "train": ["train.py", *p, "--vocab", "vocab", "--tokenized", "tok", "--checkpoints", "ckpt",
+                  "--steps", "reports/train_steps.tsv", "--epochs", "reports/train_epochs.tsv", "--summary", "reports/train.json",
+                  "--no-track"],
         "average_checkpoints": ["average_checkpoints.py", *p, "--checkpoints", "ckpt", "--out", "model/model.pt", "--no-track"],
         "decode": ["decode.py", *p, "--model", "model/model.pt", "--vocab", "vocab", "--source", "tok/val.de",
                    "--out", "translations/val.txt", "--report", "decode.json"],
         "score": ["score.py", *p, "--translations", "translations", "--references", "raw", "--model", "model/model.pt",
                   "--out", "scores.json", "--signatures", "signatures.json", "--table", "scores.md", "--no-track"],
-        "figures": ["figures.py", *p, "--model", "model/model.pt", "--source", "tok/val.de", "--train-reports", "reports",
-                    "--out", "figures", "--no-track"],
+        "figures": ["figures.py", *p, "--model", "model/model.pt", "--source", "tok/val.de", "--steps", "reports/train_steps.tsv",
+                    "--epochs", "reports/train_epochs.tsv", "--out", "figures", "--no-track"],
         "report": ["report.py", *p, "--scores", "scores.json", "--signatures", "signatures.json", "--model", "model/model.pt",
                    "--timings", "timings", "--out", "reproduction.md", "--no-track"],
     }
@@ -285,7 +287,7 @@ def test_train_whose_tracking_server_dies_after_its_outputs_fails_in_one_line_an
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: {server.uri} (MLFLOW_TRACKING_URI): "), result.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: MLflow ({server.uri}): "), result.stderr[-3000:]
     # The outputs written before the server died are whole: the same as an untracked run's.
     kept, reference = (checkpoints.listed(d / "ckpt") for d in (work, good))
     assert [p.name for p in kept] == [p.name for p in reference]

@@ -35,7 +35,7 @@ def _commands() -> dict[str, list[str]]:
         "build_vocab": ["build_vocab.py", *p, "--tokenized", "tok", "--out", "vocab"],
         "train": ["train.py", *p, "--vocab", "vocab", "--tokenized", "tok", "--checkpoints", "ckpt",
                   "--steps", "reports/train_steps.tsv", "--epochs", "reports/train_epochs.tsv", "--summary", "reports/train.json",
-                  "--no-track"],
+                  "--references", "raw/val.en", "--no-track"],
         "average_checkpoints": ["average_checkpoints.py", *p, "--checkpoints", "ckpt", "--out", "model/model.pt", "--no-track"],
         "decode": ["decode.py", *p, "--model", "model/model.pt", "--vocab", "vocab", "--source", "tok/val.de",
                    "--out", "translations/val.txt", "--report", "decode.json"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,71 @@ def test_weights_that_do_not_fit_the_config_are_refused(model_file, tmp_path):
     checkpoints.save(tmp_path / "bad.pt", ckpt)
     with pytest.raises(DataError, match="do not fit the model config"):
         Translator(tmp_path / "bad.pt", device="cpu")
+
+
+# `transformer translate` as a new user tries it: in-process (click's runner), with the model above.
+
+def _cli(model_file, *args, input=None):
+    from click.testing import CliRunner
+
+    from transformer.cli import main
+
+    return CliRunner().invoke(main, ["translate", "--model", str(model_file), "--beam", "2", *args], input=input)
+
+
+def _one_error_line(result, *needles):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+
+
+def test_cli_latin1_input_names_the_file_and_line(model_file, tmp_path):
+    source = tmp_path / "latin1.de"
+    source.write_bytes("ein Hund\n".encode() + "Stra\xdfe f\xfcr M\xe4nner\n".encode("latin-1"))
+    _one_error_line(_cli(model_file, "--input", str(source)), f"{source}:2:", "UTF-8")
+
+
+def test_cli_text_file_as_model_is_not_a_model_file(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("these are not weights\n")
+    _one_error_line(_cli(text, input="ein Hund\n"), str(text), "not a model file of this project")
+
+
+@pytest.mark.parametrize("option", [["--beam", "0"], ["--alpha", "-1"], ["--nbest", "0"], ["--top-p", "0"], ["--temperature", "0"]])
+def test_cli_out_of_range_search_options_are_usage_errors(model_file, option):
+    result = _cli(model_file, *option, input="ein Hund\n")
+    assert result.exit_code == 2 and option[0] in result.stderr and result.stdout == ""
+
+
+def test_cli_missing_input_file_is_a_usage_error(model_file, tmp_path):
+    result = _cli(model_file, "--input", str(tmp_path / "absent.de"))
+    assert result.exit_code == 2 and "absent.de" in result.stderr
+
+
+def test_cli_empty_blank_emoji_and_cjk_lines_keep_their_places(model_file, tmp_path):
+    assert _cli(model_file, input="").stdout == ""
+    result = _cli(model_file, input="ein Hund\n\n   \n🐕 läuft 🐈\n狗在跑\n")
+    assert result.exit_code == 0, result.output
+    out = result.stdout.split("\n")
+    assert len(out) == 6 and out[-1] == "" and out[1] == out[2] == ""
+    assert out[0] != ""  # the model's own words: an untrained model may end at once on unknown ones
+    assert out[:5] == Translator(model_file, device="cpu").translate(["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], beam=2)
+
+
+def test_cli_long_source_is_bounded_and_warned_about(model_file):
+    params = checkpoints.load(model_file)["params"]
+    longest, extra = params["tokenize"]["max_len"], params["decode"]["max_len_extra"]
+    result = _cli(model_file, input="ein Hund\n" + " ".join(["Hund"] * (4 * longest)) + "\n")
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.splitlines()) == 2
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and "line 2" in warning[0] and f"tokenize.max_len = {longest}" in warning[0]
+    # bounded as its first tokenize.max_len tokens would be: at most that + max_len_extra + </s> ...
+    assert len(result.stdout.splitlines()[1].split()) <= longest + 1 + extra
+    # ... where a source of the training's longest length runs unbounded and unwarned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Translator(model_file, device="cpu").translate([" ".join(["Hund"] * longest)], beam=1, max_len_extra=0)

@@ -15,6 +15,7 @@ from transformer.io import DataError, save_torch
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 MODEL_KEYS = ("model", "model_config", "params", "vocab", "step")
+MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive; its legacy format, a pickle
 RESUME_KEYS = MODEL_KEYS + ("optimizer", "epoch", "step_in_epoch", "rng", "history")
 
 
@@ -28,6 +29,11 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: checkpoint not found")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head and not head.startswith(MAGIC):  # empty: truncated, below
+        raise DataError(f"{path}: not a model file of this project (those are PyTorch files written by the "
+                        f"train or average_checkpoints stage)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

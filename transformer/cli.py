@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import click
@@ -17,17 +19,46 @@ def main() -> None:
 @main.command()
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
               help="a model file (the average_checkpoints stage's output, or any checkpoint)")
-@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="raw text, one sentence a line (default: stdin)")
-@click.option("--beam", type=int, help="beam size (default: the model's decode params)")
-@click.option("--alpha", type=float, help="length penalty (default: the model's decode params)")
+@click.option("--input", "input_file", type=click.File("rb"), default="-", help="raw UTF-8 text, one sentence a line (default: stdin)")
+@click.option("--beam", type=click.IntRange(min=1), help="beam size; 1 is greedy (default: the model's decode params)")
+@click.option("--alpha", type=click.FloatRange(min=0), help="length penalty (default: the model's decode params)")
+@click.option("--nbest", type=click.IntRange(min=1), default=1, show_default=True,
+              help="hypotheses per sentence (at most --beam; with --sample, draws); > 1 writes JSON lines")
+@click.option("--scores", is_flag=True, help="write JSON lines with each hypothesis's score")
+@click.option("--sample", is_flag=True, help="draw translations from the model instead of searching")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="--sample: keep the k most probable tokens (0: all)")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="--sample: keep the smallest set of tokens holding this much probability")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="--sample: divides the log-probabilities (< 1: sharper)")
+@click.option("--seed", type=int, help="--sample: random seed; the same input and seed give the same output")
 @stage
-def translate(model_path: Path, input_file, beam: int | None, alpha: float | None) -> None:
-    """Translates raw text, one sentence per line, to stdout."""
-    from transformer.translate import Translator
+def translate(model_path: Path, input_file, beam: int | None, alpha: float | None, nbest: int, scores: bool,
+              sample: bool, top_k: int, top_p: float, temperature: float, seed: int | None) -> None:
+    """Translates raw text, one sentence per line, to stdout: one line per sentence, or with
+    --nbest > 1 or --scores one JSON object per hypothesis:
+    {"line": <input line, from 1>, "rank": <from 1>, "score": <log P(translation | source)>, "translation": ...}."""
+    from transformer.io import decode_lines
+    from transformer.translate import LongSourceWarning, Translator
 
-    translator = Translator(model_path)
-    decode = translator.params["decode"]
-    lines = [line.rstrip("\n") for line in input_file]
-    for line in translator.translate(lines, beam=beam or decode["beam"], alpha=decode["alpha"] if alpha is None else alpha,
-                                     max_len_extra=decode["max_len_extra"], batch_tokens=decode["batch_tokens"]):
-        click.echo(line)
+    name = getattr(input_file, "name", "<stdin>")
+    lines = decode_lines(input_file.read(), name)
+    translator = Translator.load(model_path)
+    if not sample and nbest > (beam or translator.params["decode"]["beam"]):
+        raise click.BadParameter(f"{nbest} exceeds the beam size; raise --beam", param_hint="--nbest")
+    search = {"beam": beam, "alpha": alpha, "sample": sample, "top_k": top_k, "top_p": top_p,
+              "temperature": temperature, "seed": seed}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = translator.translate(lines, nbest=nbest, return_scores=True, **search)
+    for w in caught:
+        if issubclass(w.category, LongSourceWarning):
+            click.echo(f"warning: {name}: {w.message}", err=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if nbest == 1 and not scores:
+        click.echo("".join(text + "\n" for text, _ in found), nl=False)
+        return
+    for i, hyps in enumerate([[h] for h in found] if nbest == 1 else found, start=1):
+        for rank, (text, score) in enumerate(hyps, start=1):
+            click.echo(json.dumps({"line": i, "rank": rank, "score": round(score, 4), "translation": text}, ensure_ascii=False))

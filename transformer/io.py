@@ -112,12 +112,16 @@ def read_lines(path: Path | str) -> list[str]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: file not found")
-    data = path.read_bytes()
+    return decode_lines(path.read_bytes(), str(path))
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """read_lines for bytes already read (stdin); `name` is what an error calls them."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+        raise DataError(f"{name}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

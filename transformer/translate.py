@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import sys
 import time
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from transformer.io import DataError
 from transformer.model import load_model
-from transformer.search import beam_search
+from transformer.search import Hypothesis, beam_search_nbest
+from transformer.search import sample as draw_samples
 from transformer.tokenize import Tokenizer, detokenize
 from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
+
+
+@dataclass(frozen=True)
+class Translation:
+    """A detokenized translation and its score: log P(translation | source) under the model, in nats,
+    summed over its tokens and the </s> that ended it (n-best lists rank beam search's way, by
+    score / lp(length), so a longer hypothesis may rank above a shorter one with a higher score)."""
+
+    text: str
+    score: float
+
+
+class LongSourceWarning(UserWarning):
+    """A source line longer than any the model was trained on: its translation is bounded shorter."""
 
 
 class Translator:
@@ -33,44 +52,119 @@ class Translator:
                                 f"does not match the one {self.path} was trained with ({len(mine)}, {fingerprint(mine)}); "
                                 f"rebuild the vocabulary or retrain")
 
-    def translate(self, raw_lines: list[str], **search) -> list[str]:
-        """Raw text in, raw text out."""
-        tokenizer = Tokenizer(self.params["data"]["src_lang"])
-        return self.translate_tokenized(list(tokenizer.pipe(raw_lines)), **search)
+    @classmethod
+    def load(cls, model_path: Path | str, device: str | None = None) -> Translator:
+        """The model in `model_path` (averaged by the pipeline, or any checkpoint), ready to translate."""
+        return cls(model_path, device)
 
-    def translate_tokenized(self, lines: list[str], *, beam: int, alpha: float, max_len_extra: int, batch_tokens: int,
-                            progress: bool = False) -> list[str]:
-        """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line.
-        The search settings are params.yaml's `decode` section (the model file holds the run's)."""
+    def translate(self, raw_lines: list[str], *, nbest: int = 1, return_scores: bool = False, **search) -> list:
+        """Raw text in, raw text out. With nbest > 1, a list of hypotheses (best first) per line; with
+        return_scores, (text, score) pairs, score = log P(text | line) (see Translation). `search`:
+        beam, alpha, max_len_extra, batch_tokens (default: the model's decode params), sample,
+        top_k, top_p, temperature, seed (see hypotheses), progress."""
+        tokenizer = Tokenizer(self.params["data"]["src_lang"])
+        tokenized = list(tokenizer.pipe(raw_lines))
+        if nbest == 1 and not return_scores and not search.get("sample"):
+            return self.translate_tokenized(tokenized, **search)
+        found = self.hypotheses(tokenized, nbest=nbest, **search)
+        shaped = [[(h.text, h.score) if return_scores else h.text for h in hyps] for hyps in found]
+        return [hyps[0] for hyps in shaped] if nbest == 1 else shaped
+
+    def translate_tokenized(self, lines: list[str], **search) -> list[str]:
+        """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""
+        return [hyps[0].text for hyps in self.hypotheses(lines, **search)]
+
+    def hypotheses(self, lines: list[str], beam: int | None = None, alpha: float | None = None, nbest: int = 1,
+                   sample: bool = False, top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0,
+                   seed: int | None = None, max_len_extra: int | None = None, batch_tokens: int | None = None,
+                   progress: bool = False) -> list[list[Translation]]:
+        """The `nbest` best translations of each tokenized line, best first. Beam search (beam 1:
+        greedy) ranks by log P / lp(length); sampling (sample=True, beam unused) draws `nbest`
+        translations per line, from `seed` when given (same lines, seed and batch_tokens: same
+        draws), cut to top_k tokens / top_p of the mass at temperature, sorted by score."""
+        decode = self.params["decode"]
+        beam, alpha = beam or decode["beam"], decode["alpha"] if alpha is None else alpha
+        max_len_extra = decode["max_len_extra"] if max_len_extra is None else max_len_extra
+        _check_search(beam, alpha, nbest, sample, top_k, top_p, temperature)
+        if sample:
+            generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+            run = functools.partial(self._sample, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    generator=generator)
+        else:
+            run = functools.partial(beam_search_nbest, self.model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest)
+        rows = nbest if sample else beam  # decoder rows per sentence
+        return self._decode(lines, run, rows, max_len_extra, batch_tokens or decode["batch_tokens"], progress)
+
+    def _decode(self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int,
+                progress: bool) -> list[list[Translation]]:
         from tqdm import tqdm
 
         encoded = [self.src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]
-        out = [""] * len(lines)
+        limits = [self._max_len(i, line, len(ids), max_len_extra) for i, (line, ids) in enumerate(zip(lines, encoded))]
+        out = [[Translation("", 0.0)] for _ in lines]
         bar = tqdm(total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1)
-        for batch, outputs in search_batches(self.model, encoded, beam, alpha, max_len_extra, batch_tokens, self.device):
-            for i, ids in zip(batch, outputs):
-                out[i] = to_text(self.tgt_vocab, ids)
-                self.tokens_out += len(ids) + 1  # + </s>
+        for batch, found in _searched(encoded, limits, rows, batch_tokens, self.device, run):
+            for i, hyps in zip(batch, found):
+                out[i] = [Translation(to_text(self.tgt_vocab, h.tokens), h.log_prob) for h in hyps]
+                self.tokens_out += len(hyps[0].tokens) + 1  # + </s>
             bar.update(len(batch))
         bar.close()
         return out
 
+    def _max_len(self, index: int, line: str, length: int, max_len_extra: int) -> int:
+        """Source length + max_len_extra; a source longer than training's longest (tokenize.max_len tokens)
+        gets the bound of its first tokenize.max_len tokens, and a LongSourceWarning."""
+        words, longest = len(line.split()), self.params["tokenize"]["max_len"]
+        if words <= longest:
+            return length + max_len_extra
+        bound = math.ceil(length * longest / words) + max_len_extra
+        warnings.warn(f"line {index + 1}: {words} tokens, longer than any source the model was trained on "
+                      f"(tokenize.max_len = {longest}); its translation stops at {bound} tokens", LongSourceWarning)
+        return bound
+
+    def _sample(self, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
+        rows = torch.arange(src.size(0), device=src.device).repeat_interleave(nbest)  # nbest draws per sentence
+        drawn = draw_samples(self.model, src[rows], max_len[rows], BOS, EOS, **how)
+        return [sorted(drawn[i:i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
+
+
+def _check_search(beam: int, alpha: float, nbest: int, sample: bool, top_k: int, top_p: float, temperature: float) -> None:
+    """ValueError naming the argument a caller got wrong."""
+    checks = [(beam >= 1, f"beam = {beam} must be >= 1"), (alpha >= 0, f"alpha = {alpha} must be >= 0"),
+              (nbest >= 1, f"nbest = {nbest} must be >= 1"),
+              (sample or nbest <= beam, f"nbest = {nbest} exceeds the beam size ({beam})"),
+              (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: no cut)"),
+              (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1]"), (temperature > 0, f"temperature = {temperature} must be > 0")]
+    for ok, why in checks:
+        if not ok:
+            raise ValueError(why)
+
 
 def search_batches(model, encoded: list[list[int]], beam: int, alpha: float, max_len_extra: int, batch_tokens: int,
                    device: torch.device) -> Iterator[tuple[list[int], list[list[int]]]]:
-    """(sentence indices, output ids) batch by batch, shortest sources first; each source ends in
-    </s>; empty sources are skipped. The decode stage and validation during training both use it."""
-    order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
-    for batch in _batches(order, encoded, max(1, batch_tokens // beam)):
-        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(encoded[i]) for i in batch], batch_first=True,
-                                              padding_value=PAD).to(device)
-        max_len = torch.tensor([len(encoded[i]) + max_len_extra for i in batch], device=device)
-        yield batch, beam_search(model, src, beam, alpha, max_len, BOS, EOS)
+    """(sentence indices, best output ids) batch by batch, shortest sources first; each source ends in
+    </s>; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
+    limits = [len(ids) + max_len_extra for ids in encoded]
+    run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=1)
+    for batch, found in _searched(encoded, limits, beam, batch_tokens, device, run):
+        yield batch, [hyps[0].tokens for hyps in found]
 
 
 def to_text(tgt_vocab, ids: list[int]) -> str:
     """Output ids to detokenized text: what the decode stage writes and BLEU scores."""
     return detokenize(tgt_vocab.decode(ids))
+
+
+def _searched(encoded: list[list[int]], limits: list[int], rows: int, batch_tokens: int, device: torch.device,
+              run) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
+    """`run`'s hypotheses for the non-empty sources, in batches of about batch_tokens decoder tokens
+    (`rows` decoder rows per sentence), shortest sources first."""
+    order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
+    for batch in _batches(order, encoded, max(1, batch_tokens // rows)):
+        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(encoded[i]) for i in batch], batch_first=True,
+                                              padding_value=PAD).to(device)
+        max_len = torch.tensor([limits[i] for i in batch], device=device)
+        yield batch, run(src=src, max_len=max_len)
 
 
 def _batches(order: list[int], encoded: list[list[int]], max_tokens: int) -> list[list[int]]:

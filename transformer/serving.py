@@ -1,0 +1,92 @@
+"""The averaged model as an MLflow pyfunc model: raw sentences in, translations out, so that
+`mlflow models serve` answers POST /invocations. It carries the model file, its vocabulary and
+this package's code; it decodes with the model's own decode params."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.exceptions import MlflowException
+
+MAX_SENTENCES = 1000  # per request: more is a batch job (transformer translate), not a request
+EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
+
+
+class TranslationModel(mlflow.pyfunc.PythonModel):
+    """A list of sentences in, a list of translations out."""
+
+    def load_context(self, context) -> None:
+        from transformer.translate import Translator
+        from transformer.vocab import load_vocabs
+
+        self.translator = Translator.load(context.artifacts["model"], device="cpu")
+        vocab = Path(context.artifacts["vocab"])
+        self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
+
+    def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
+        """MLflow reads the signature from these type hints and refuses other input with a 400."""
+        sentences = _sentences(model_input)
+        longest = self.translator.params["tokenize"]["max_len"]
+        for i, sentence in enumerate(sentences):
+            if len(sentence.split()) > longest:
+                raise MlflowException.invalid_parameter_value(
+                    f"sentence {i}: {len(sentence.split())} words, more than the model was trained on ({longest})")
+        return self.translator.translate(sentences)
+
+
+def _sentences(model_input: list[str]) -> list[str]:
+    """The request's sentences (MLflow has checked they are strings), or a 400 saying what is wrong."""
+    sentences = list(model_input)
+    if not sentences:
+        raise MlflowException.invalid_parameter_value("no sentences: send {\"inputs\": [\"a sentence\", ...]}")
+    if len(sentences) > MAX_SENTENCES:
+        raise MlflowException.invalid_parameter_value(f"{len(sentences)} sentences, more than {MAX_SENTENCES} a request")
+    return sentences
+
+
+def _options(model_path: Path, vocab_path: Path) -> dict[str, Any]:
+    """What save_model and log_model share: artifacts, example, code and requirements (the signature,
+    a list of strings in and out, comes from predict's type hints)."""
+    from importlib.metadata import version
+
+    package = Path(__file__).resolve().parent
+    requirements = [f"{name}=={version(name)}" for name in ("torch", "mlflow", "sentencepiece", "spacy", "tqdm", "pandas")]
+    return {"python_model": TranslationModel(), "artifacts": {"model": str(model_path), "vocab": str(vocab_path)},
+            "input_example": EXAMPLE, "code_paths": [str(package)], "pip_requirements": requirements}
+
+
+def save_model(model_path: Path, vocab_path: Path, out: Path) -> None:
+    """The pyfunc model in a directory (`mlflow models serve -m <out>`)."""
+    mlflow.pyfunc.save_model(str(out), **_options(model_path, vocab_path))
+
+
+def log_model(model_path: Path, vocab_path: Path, run_id: str, registered_name: str) -> str:
+    """Logs the pyfunc model to the training's MLflow run (a LoggedModel named "model") and
+    registers a new version of `registered_name`; returns the model's URI."""
+    from transformer.tracking import check_reachable, tracking_uri
+
+    uri = tracking_uri()
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pyfunc.log_model(name="model", registered_model_name=registered_name,
+                                       **_options(model_path, vocab_path))
+    return info.model_uri
+
+
+def promote(registered_name: str, version: int, alias: str) -> None:
+    """Points `alias` (models:/<name>@<alias>) at a registered version."""
+    from mlflow import MlflowClient
+
+    from transformer.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri())
+    try:
+        client.get_model_version(registered_name, str(version))
+    except MlflowException:
+        from transformer.errors import TrackingError
+
+        raise TrackingError(f"model '{registered_name}' has no version {version} in {tracking_uri()}") from None
+    client.set_registered_model_alias(registered_name, alias, str(version))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from transformer.config import CHOICES
 from transformer.stage import stage
 
 
@@ -62,3 +63,34 @@ def translate(model_path: Path, input_file, beam: int | None, alpha: float | Non
     for i, hyps in enumerate([[h] for h in found] if nbest == 1 else found, start=1):
         for rank, (text, score) in enumerate(hyps, start=1):
             click.echo(json.dumps({"line": i, "rank": rank, "score": round(score, 4), "translation": text}, ensure_ascii=False))
+
+
+@main.command()
+@click.option("--format", "fmt", type=click.Choice(["ctranslate2"]), default="ctranslate2", show_default=True)
+@click.option("--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="model directory to write")
+@click.option("--quantization", type=click.Choice(CHOICES["export.quantization"]),
+              default="none", show_default=True, help="weight type; none keeps float32")
+@stage
+def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
+    """Exports a model file to an inference engine's format (CTranslate2)."""
+    from transformer.export import export_ctranslate2
+
+    export_ctranslate2(model_path, out, quantization)
+    click.echo(f"{model_path}: {fmt} model ({quantization}) in {out}", err=True)
+
+
+@main.command()
+@click.argument("version", type=click.IntRange(min=1))
+@click.option("--alias", default="champion", show_default=True, help="the alias to point at VERSION")
+@click.option("--params", "params_path", default="params.yaml", show_default=True, type=click.Path(path_type=Path),
+              help="its export.registered_name names the registered model")
+@stage
+def promote(version: int, alias: str, params_path: Path) -> None:
+    """Points models:/<export.registered_name>@<alias> at a registered VERSION of the model."""
+    from transformer.config import load_params
+    from transformer.serving import promote as set_alias
+
+    name = load_params(params_path).export.registered_name
+    set_alias(name, version, alias)
+    click.echo(f"models:/{name}@{alias} -> version {version}", err=True)

@@ -98,6 +98,12 @@ class ReportConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    registered_name: str  # MLflow model registry name
+    quantization: str  # the CTranslate2 export's weights; none: float32
+
+
+@dataclass(frozen=True)
 class Params:
     data: DataConfig
     tokenize: TokenizeConfig
@@ -108,6 +114,7 @@ class Params:
     decode: DecodeConfig
     score: ScoreConfig
     report: ReportConfig
+    export: ExportConfig
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
@@ -126,6 +133,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "average.select": ("last", "best"),
     "score.metrics": tuple(METRICS),
+    "export.quantization": ("none", "int8", "int8_float32", "int16", "float16", "bfloat16"),
 }
 POSITIVE = {
     "tokenize.max_len", "vocab.size", "vocab.min_freq", "model.N", "model.d_model", "model.d_ff",
@@ -134,6 +142,7 @@ POSITIVE = {
 }
 NON_NEGATIVE = {"train.save_every", "train.max_steps", "train.eval_every", "train.patience", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown", "train.bpe_dropout"}  # in [0, 1)
+REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 
 
@@ -233,6 +242,8 @@ def _check_values(p: Params, source: str) -> None:
         fail("decode.testsets", "must name at least one test set")
     if not LABEL.fullmatch(p.report.label):
         fail("report.label", "may hold only letters, digits, '_', '.' and '-'")
+    if not REGISTERED_NAME.fullmatch(p.export.registered_name):
+        fail("export.registered_name", "must be letters, digits, '_', '.' or '-', starting with a letter or digit")
     if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
 

@@ -1,0 +1,35 @@
+"""Stage export: the averaged model for use elsewhere, as a CTranslate2 model directory and, when
+the training was tracked, as an MLflow pyfunc model in its run, registered under export.registered_name."""
+
+from pathlib import Path
+
+import click
+
+from transformer.config import load_params
+from transformer.stage import PARAMS, stage
+
+
+@click.command()
+@PARAMS
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="averaged model file")
+@click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory (its vocab.pt goes into the MLflow model)")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="CTranslate2 model directory")
+@click.option("--track/--no-track", default=True, show_default=True, help="log and register the MLflow model in the training's run")
+@stage
+def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: bool) -> None:
+    from transformer import checkpoints
+    from transformer.export import export_ctranslate2
+
+    p = load_params(params_path).export
+    export_ctranslate2(model_path, out, p.quantization)
+    click.echo(f"{model_path}: CTranslate2 model ({p.quantization}) in {out}", err=True)
+    run_id = checkpoints.load(model_path).get("mlflow_run_id")
+    if track and run_id:
+        from transformer.serving import log_model
+
+        uri = log_model(model_path, vocab / "vocab.pt", run_id, p.registered_name)
+        click.echo(f"{model_path}: MLflow model {uri}, registered as '{p.registered_name}'", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Export to CTranslate2 (greedy translations equal ours in float32), the export stage, the MLflow
+model it logs and registers, and `dvc artifacts get` finding the model by the name dvc.yaml declares."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from conftest import BIN, ROOT, project_copy, run, tiny_params
+from test_serve import SRC_LINES, model_and_vocab  # noqa: F401 (a fixture)
+
+from transformer import checkpoints
+from transformer.cli import main
+from transformer.config import Params
+from transformer.export import ctranslate2_translate, export_ctranslate2
+from transformer.model import make_model
+from transformer.search import greedy
+from transformer.translate import Translator
+from transformer.vocab import EOS, PAD, WordVocab
+
+LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
+
+
+def _model_file(path, norm: str, seed: int):
+    src = WordVocab.build(SRC_LINES, min_freq=1)
+    tgt = WordVocab.build(["a dog runs", "two men play football", "a woman reads a book", "a child"], min_freq=1)
+    config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 2, "d_model": 16, "d_ff": 32, "h": 2,
+              "dropout": 0.0, "norm": norm, "tie_embeddings": False, "pad": PAD}
+    torch.manual_seed(seed)
+    checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config,
+                            "params": Params().to_dict(), "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+    return path
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm):
+    translator = Translator(_model_file(tmp_path / "model.pt", norm, seed=0), device="cpu")
+    export_ctranslate2(tmp_path / "model.pt", tmp_path / "ct2")
+    ended = 0
+    for line in LINES:  # one at a time: CTranslate2 bounds a batch's length, we each sentence's
+        src = torch.tensor([translator.src_vocab.encode(line) + [EOS]])
+        ours = greedy(translator.model, src, torch.tensor([src.size(1) + 6]), 0, EOS)[0] if line else []
+        theirs = ctranslate2_translate(tmp_path / "ct2", translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6)[0]
+        assert theirs == ours, line
+        ended += len(ours) < src.size(1) + 6
+    assert 0 < ended < len(LINES)  # some sentences end on </s>, some at the length bound: both paths compared
+
+
+def test_int8_export_is_smaller_and_still_translates(tmp_path):
+    model = _model_file(tmp_path / "model.pt", "pre", seed=1)
+    result = CliRunner().invoke(main, ["export", "--model", str(model), "--out", str(tmp_path / "int8"), "--quantization", "int8"])
+    assert result.exit_code == 0, result.output
+    export_ctranslate2(model, tmp_path / "fp32")
+    size = {q: (tmp_path / q / "model.bin").stat().st_size for q in ("int8", "fp32")}
+    assert size["int8"] < 0.8 * size["fp32"]
+    translator = Translator(model, device="cpu")
+    out = ctranslate2_translate(tmp_path / "int8", translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6)
+    assert len(out) == len(LINES) and out[-1] == []
+
+
+def test_export_of_a_non_model_file_is_one_error_line_and_no_output(tmp_path):
+    (tmp_path / "notes.txt").write_text("not weights\n")
+    result = CliRunner().invoke(main, ["export", "--model", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "ct2")])
+    assert result.exit_code == 1 and result.stderr.startswith("error: ") and "not a model file" in result.stderr
+    assert not (tmp_path / "ct2").exists() and list(tmp_path.iterdir()) == [tmp_path / "notes.txt"]
+
+
+def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_alias(model_and_vocab, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+
+    model_path, vocab_path = model_and_vocab
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = MlflowClient().create_run(MlflowClient().create_experiment("toy")).info.run_id
+    tracked = checkpoints.load(model_path) | {"mlflow_run_id": run_id}
+    checkpoints.save(tmp_path / "model.pt", tracked)
+    params = Params().to_dict() | {"export": {"registered_name": "toy-translator", "quantization": "none"}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    run([str(BIN / "python"), str(ROOT / "stages" / "export.py"), "--params", "params.yaml", "--model", "model.pt",
+         "--vocab", str(vocab_path.parent), "--out", "ct2"], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    assert (tmp_path / "ct2" / "model.bin").exists()
+    (version,) = MlflowClient().search_model_versions("name='toy-translator'")
+    assert version.run_id == run_id and str(version.version) == "1"
+    result = CliRunner().invoke(main, ["promote", "1", "--alias", "champion", "--params", str(tmp_path / "params.yaml")])
+    assert result.exit_code == 0, result.output
+    served = mlflow.pyfunc.load_model("models:/toy-translator@champion")
+    assert served.predict(["ein Hund läuft."]) == Translator.load(model_path, device="cpu").translate(["ein Hund läuft."])
+    assert CliRunner().invoke(main, ["promote", "7", "--params", str(tmp_path / "params.yaml")]).exit_code == 1
+
+
+def test_dvc_yaml_declares_the_models_as_artifacts():
+    artifacts = yaml.safe_load((ROOT / "dvc.yaml").read_text())["artifacts"]
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    outs = {out if isinstance(out, str) else next(iter(out)) for s in stages.values() for out in s.get("outs", [])}
+    assert artifacts["transformer-model"]["path"] == "data/model/model.pt"
+    assert all(a["type"] == "model" and a["path"] in outs for a in artifacts.values())  # each is a stage's output
+
+
+@pytest.mark.slow
+def test_dvc_artifacts_get_finds_the_model_by_name(model_and_vocab, tmp_path):
+    """The project in a git + DVC repository whose average_checkpoints outputs are committed to DVC and
+    pushed, and a version registered (a GTO git tag, as `gto register` writes); `dvc artifacts get` from
+    another directory fetches model.pt by the artifact's name."""
+    repo = project_copy(tmp_path, tiny_params())
+    dvc = str(BIN / "dvc")
+    for path in ("data/checkpoints/ckpt_00000001.pt", "data/model/model.pt"):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(model_and_vocab[0], repo / path)
+    (repo / "data" / "timings").mkdir()
+    (repo / "data" / "timings" / "average_checkpoints.json").write_text("{}\n")
+    run([dvc, "remote", "add", "-d", "local", str(tmp_path / "remote")], repo)
+    run([dvc, "commit", "-f", "average_checkpoints"], repo)  # as if the stage had run
+    run([dvc, "push", "average_checkpoints"], repo)
+    run(["git", "add", "-A"], repo)
+    git = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
+    run(git + ["commit", "-qm", "model"], repo)
+    run(git + ["tag", "-a", "transformer-model@v1.0.0", "-m", "Registering artifact transformer-model version v1.0.0"], repo)
+    (tmp_path / "elsewhere").mkdir()
+    run([dvc, "artifacts", "get", str(repo), "transformer-model"], tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "model.pt").read_bytes() == model_and_vocab[0].read_bytes()

@@ -411,6 +411,56 @@ def decoding_rows(size: Size, data: Data, plan: Plan) -> list[dict[str, Any]]:
     return compare(rows, {"g": "i", "h": "i"})
 
 
+# ---------------------------------------------------------------------------- a trained model against CTranslate2
+
+def model_rows(model_path: Path, source: Path, reference: Path, work: Path, beam: int | None = None) -> list[dict[str, Any]]:
+    """Ours (batched, the model's decode params) against its CTranslate2 export in float32 and int8,
+    on the same sentences and threads: target tokens/s (</s> included) and BLEU (sacreBLEU, detokenized)."""
+    import sacrebleu
+
+    from transformer.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
+    from transformer.io import read_lines
+    from transformer.tokenize import detokenize
+    from transformer.translate import Translator
+
+    translator = Translator(model_path, device="cpu")
+    p = translator.params["decode"]
+    beam = beam or p["beam"]
+    lines, refs = read_lines(source), read_lines(reference)
+    for q in ("none", "int8"):
+        export_ctranslate2(model_path, work / q, q)
+
+    def ours(batch: list[str]) -> tuple[list[str], int]:
+        translator.tokens_out = 0
+        out = translator.translate_tokenized(batch, beam=beam, alpha=p["alpha"], max_len_extra=p["max_len_extra"])
+        return out, translator.tokens_out
+
+    def theirs(q: str) -> Callable[[list[str]], tuple[list[str], int]]:
+        engine = load_ctranslate2(work / q, torch.get_num_threads())  # same threads as ours
+
+        def run(batch: list[str]) -> tuple[list[str], int]:
+            ids = ctranslate2_translate(engine, translator.src_vocab, translator.tgt_vocab, batch, beam, p["alpha"],
+                                        p["max_len_extra"], p["batch_tokens"] // beam)
+            produced = sum(len(i) + 1 for i, line in zip(ids, batch) if line.strip())  # + </s>, as ours counts
+            return [detokenize(translator.tgt_vocab.decode(i)) for i in ids], produced
+        return run
+
+    rows = []
+    for key, label, dtype, run in (("j", f"ours, beam {beam}, batched", "fp32", ours),
+                                   ("k", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
+                                   ("l", f"CTranslate2, beam {beam}", "int8", theirs("int8"))):
+        run(lines[:8])  # warm-up
+        with Clock() as clock:
+            hyps, tokens = run(lines)
+        rows.append({"size": "model", "key": key, "row": label, "dtype": dtype, "sentences": len(lines),
+                     "seconds": round(clock.seconds, 3), "target_tokens": tokens,
+                     "tokens_per_s": round(tokens / clock.seconds, 1), "sentences_per_s": round(len(lines) / clock.seconds, 2),
+                     "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2), "threads": torch.get_num_threads(),
+                     "other_cores_busy": round(clock.others, 2)})
+        print(f"  model {key}. {label} {dtype:<5} {rows[-1]['tokens_per_s']:>9,.0f} tok/s  BLEU {rows[-1]['bleu']}", file=sys.stderr)
+    return compare(rows, {"j": "k", "l": "k"})
+
+
 # ---------------------------------------------------------------------------- report
 
 def machine() -> dict[str, Any]:
@@ -443,11 +493,26 @@ def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]])
               help="build_vocab output (vocab.pt, train.pt) to use real token ids instead of the synthetic corpus.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "bench.json",
               show_default=True)
-def main(quick: bool, vocab_dir: Path | None, out: Path) -> None:
+@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="a trained model file: measure only its decoding, ours against CTranslate2 fp32 and int8 "
+                   "(needs --source and --reference)")
+@click.option("--source", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="tokenized source, e.g. data/tokenized/test2016.en")
+@click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="raw reference, e.g. data/raw/test2016.de")
+def main(quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None, source: Path | None,
+         reference: Path | None) -> None:
     """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
     plan = QUICK if quick else FULL
     start = time.perf_counter()
     info = machine()
+    if model_path:
+        if not (source and reference):
+            raise click.UsageError("--model needs --source and --reference")
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = model_rows(model_path, source, reference, Path(tmp))
+        print(table({"fp32": 0.0, "bf16": 0.0}, 0.0, rows).split("\n", 1)[1])
+        write_json(out, {"machine": info, "model": str(model_path), "source": str(source), "model_decode": rows,
+                         "runtime_s": round(time.perf_counter() - start, 1)})
+        return
     with Clock() as clock:
         peaks = {name: matmul_peak(dtype, plan.matmul_seconds) for name, dtype in DTYPES.items()}
     info["other_cores_busy_during_peak"] = round(clock.others, 2)

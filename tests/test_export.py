@@ -15,7 +15,7 @@ from test_serve import SRC_LINES, model_and_vocab  # noqa: F401 (a fixture)
 from transformer import checkpoints
 from transformer.cli import main
 from transformer.config import Params
-from transformer.export import ctranslate2_translate, export_ctranslate2
+from transformer.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 from transformer.model import make_model
 from transformer.search import greedy
 from transformer.translate import Translator
@@ -43,7 +43,7 @@ def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm):
     for line in LINES:  # one at a time: CTranslate2 bounds a batch's length, we each sentence's
         src = torch.tensor([translator.src_vocab.encode(line) + [EOS]])
         ours = greedy(translator.model, src, torch.tensor([src.size(1) + 6]), 0, EOS)[0] if line else []
-        theirs = ctranslate2_translate(tmp_path / "ct2", translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6)[0]
+        theirs = ctranslate2_translate(load_ctranslate2(tmp_path / "ct2"), translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6)[0]
         assert theirs == ours, line
         ended += len(ours) < src.size(1) + 6
     assert 0 < ended < len(LINES)  # some sentences end on </s>, some at the length bound: both paths compared
@@ -57,7 +57,7 @@ def test_int8_export_is_smaller_and_still_translates(tmp_path):
     size = {q: (tmp_path / q / "model.bin").stat().st_size for q in ("int8", "fp32")}
     assert size["int8"] < 0.8 * size["fp32"]
     translator = Translator(model, device="cpu")
-    out = ctranslate2_translate(tmp_path / "int8", translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6)
+    out = ctranslate2_translate(load_ctranslate2(tmp_path / "int8"), translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6)
     assert len(out) == len(LINES) and out[-1] == []
 
 
@@ -122,3 +122,22 @@ def test_dvc_artifacts_get_finds_the_model_by_name(model_and_vocab, tmp_path):
     (tmp_path / "elsewhere").mkdir()
     run([dvc, "artifacts", "get", str(repo), "transformer-model"], tmp_path / "elsewhere")
     assert (tmp_path / "elsewhere" / "model.pt").read_bytes() == model_and_vocab[0].read_bytes()
+
+
+def test_bench_measures_ours_against_ctranslate2_fp32_and_int8_in_one_run(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench
+
+    model = _model_file(tmp_path / "model.pt", "pre", seed=3)
+    lines = ["ein Hund läuft", "ein Kind läuft", "Hund Hund ein", "eine Frau liest"]  # one length: one bound for both
+    # (seed 3: some of these end on </s>, some at the bound)
+    (tmp_path / "src").write_text("\n".join(lines) + "\n")
+    (tmp_path / "ref").write_text("a dog runs\na child runs\na dog\na woman reads\n")
+    (tmp_path / "work").mkdir()
+    rows = bench.model_rows(model, tmp_path / "src", tmp_path / "ref", tmp_path / "work", beam=1)
+    assert [(r["key"], r["dtype"]) for r in rows] == [("j", "fp32"), ("k", "fp32"), ("l", "int8")]
+    assert all(r["tokens_per_s"] > 0 and r["sentences"] == 4 for r in rows)
+    assert rows[0]["bleu"] == rows[1]["bleu"] and rows[0]["target_tokens"] == rows[1]["target_tokens"]  # greedy fp32: same output
+    assert rows[0]["vs"] == "k" and rows[0]["ratio"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=1e-3)

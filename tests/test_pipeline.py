@@ -25,8 +25,9 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     repo = project_copy(tmp_path, tiny_params(**{"train.epochs": 20}))  # at 12 the toy model could still repeat a word
     first = run([DVC, "repro"], repo, timeout=600)
     for stage in ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val",
-                  "decode@test2016", "score", "report"):
+                  "decode@test2016", "score", "report", "export"):
         assert f"Running stage '{stage}'" in first.stdout
+    assert (repo / "data/export/ctranslate2/model.bin").exists()
     scores = json.loads((repo / "reports/scores.json").read_text())
     assert set(scores) == {"val", "test2016"}
     assert scores["test2016"]["bleu"] > 80, scores  # the toy translation is learnable
@@ -85,6 +86,8 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert {"model", "reports", "vocab", "checkpoints"} <= {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert "reproduction.md" in {a.path.split("/")[-1] for a in client.list_artifacts(run_.info.run_id, "reports")}
     assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
+    (version,) = client.search_model_versions("name='transformer-multi30k-de-en'")  # the export stage registered it
+    assert version.run_id == run_.info.run_id
 
 
 @pytest.mark.slow

@@ -191,3 +191,14 @@ def test_cli_long_source_is_bounded_and_warned_about(model_file):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Translator(model_file, device="cpu").translate([" ".join(["Hund"] * longest)], beam=1, max_len_extra=0)
+
+
+def test_importing_the_package_stays_light_and_translator_loads_on_first_use():
+    import subprocess
+    import sys
+
+    code = ("import sys, transformer; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from transformer import Translator; assert 'torch' in sys.modules; print(Translator.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "transformer.translate"

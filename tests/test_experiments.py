@@ -24,7 +24,7 @@ from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_p
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
 DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures",
-                       "report"}
+                       "report", "export"}
 
 # The module's baseline trains 2 epochs (58 updates) to keep the suite short: test2016 BLEU 0.4-0.6
 # (measured), so the floor only says the model matched something; test_pipeline's 20-epoch run checks > 80.

@@ -14,7 +14,7 @@ from test_serve import SRC_LINES, model_and_vocab  # noqa: F401 (a fixture)
 
 from transformer import checkpoints
 from transformer.cli import main
-from transformer.config import Params
+from transformer.config import load_params
 from transformer.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 from transformer.model import make_model
 from transformer.search import greedy
@@ -31,7 +31,7 @@ def _model_file(path, norm: str, seed: int):
               "dropout": 0.0, "norm": norm, "tie_embeddings": False, "pad": PAD}
     torch.manual_seed(seed)
     checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config,
-                            "params": Params().to_dict(), "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+                            "params": load_params(ROOT / "params.yaml").to_dict(), "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
     return path
 
 
@@ -78,7 +78,7 @@ def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_a
     run_id = MlflowClient().create_run(MlflowClient().create_experiment("toy")).info.run_id
     tracked = checkpoints.load(model_path) | {"mlflow_run_id": run_id}
     checkpoints.save(tmp_path / "model.pt", tracked)
-    params = Params().to_dict() | {"export": {"registered_name": "toy-translator", "quantization": "none"}}
+    params = load_params(ROOT / "params.yaml").to_dict() | {"export": {"registered_name": "toy-translator", "quantization": "none"}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     run([str(BIN / "python"), str(ROOT / "stages" / "export.py"), "--params", "params.yaml", "--model", "model.pt",
          "--vocab", str(vocab_path.parent), "--out", "ct2"], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})

@@ -31,7 +31,7 @@ def test_nbest_above_the_beam_size_is_refused():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", pad=PAD).eval()
+    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
 
 
 @pytest.mark.parametrize("beam", [1, 3])

@@ -42,7 +42,7 @@ def test_top_k_and_top_p_cut_the_tail():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", pad=PAD).eval()
+    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
 
 
 def test_sampling_with_top_k_one_is_greedy():

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, free_port, run
+from conftest import BIN, ROOT, free_port, run
 
 from transformer import checkpoints
-from transformer.config import Params
+from transformer.config import load_params
 from transformer.model import make_model
 from transformer.vocab import PAD, WordVocab, save_vocabs
 
@@ -35,7 +35,7 @@ def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
     directory = tmp_path_factory.mktemp("served")
     save_vocabs(directory / "vocab", src, tgt)
     checkpoints.save(directory / "model.pt", {"model": make_model(**config).state_dict(), "model_config": config,
-                                              "params": Params().to_dict() | {"decode": Params().to_dict()["decode"] | {"beam": 2}},
+                                              "params": load_params(ROOT / "params.yaml").to_dict() | {"decode": load_params(ROOT / "params.yaml").to_dict()["decode"] | {"beam": 2}},
                                               "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
     return directory / "model.pt", directory / "vocab" / "vocab.pt"
 

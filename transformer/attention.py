@@ -30,11 +30,13 @@ class MultiHeadAttention(nn.Module):
     Self-attention projects Q, K, V in one matmul; source attention projects K, V of the
     memory once per sentence and, when decoding incrementally, keeps them in `cache`.
     With a `packing` (of x) or a `memory_packing`, that input comes packed, (n, d_model):
-    its projections run on the real tokens and are laid out per sentence to attend."""
+    its projections run on the real tokens and are laid out per sentence to attend.
+    `dropout` drops attention weights in training (the Annotated Transformer's; the paper has none)."""
 
-    def __init__(self, d_model: int, h: int, self_attention: bool):
+    def __init__(self, d_model: int, h: int, self_attention: bool, dropout: float = 0.0):
         super().__init__()
         self.h, self.d_k = h, d_model // h
+        self.dropout = dropout
         self.self_attention = self_attention
         if self_attention:
             self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -74,8 +76,9 @@ class MultiHeadAttention(nn.Module):
         return projected.view(B, T, n, self.h, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
         if not self.keep_weights:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)  # (B, h, T, S)
         if causal:
             T, S = scores.shape[-2:]
@@ -83,4 +86,4 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         self.weights = scores.softmax(-1)
-        return self.weights @ v
+        return F.dropout(self.weights, p) @ v

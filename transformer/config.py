@@ -37,6 +37,7 @@ class VocabConfig:
     kind: str
     size: int
     min_freq: int
+    seed: int  # bpe: draws the sample of training lines sentencepiece learns from (beyond vocab.SAMPLE)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class ModelConfig:
     d_ff: int
     h: int
     dropout: float
+    attn_dropout: float  # on attention weights (the Annotated Transformer's; not in the paper)
+    ff_dropout: float  # inside the feed-forward layer, after the ReLU (likewise)
     norm: str
     tie_embeddings: bool
 
@@ -63,6 +66,7 @@ class TrainConfig:
     cooldown: float
     label_smoothing: float
     bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
+    smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     precision: str
     compile: bool
     save_every: int
@@ -140,8 +144,10 @@ POSITIVE = {
     "model.h", "train.nproc", "train.nnodes", "train.max_tokens", "train.accum", "train.epochs",
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
-NON_NEGATIVE = {"train.save_every", "train.max_steps", "train.eval_every", "train.patience", "decode.max_len_extra", "decode.alpha"}
-FRACTIONS = {"model.dropout", "train.label_smoothing", "train.cooldown", "train.bpe_dropout"}  # in [0, 1)
+NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
+                "decode.max_len_extra", "decode.alpha"}
+FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "train.label_smoothing", "train.cooldown",
+             "train.bpe_dropout"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 

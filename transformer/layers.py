@@ -28,21 +28,24 @@ class Residual(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2, with `dropout` on the inner
+    activations (the Annotated Transformer's; the paper has none)."""
 
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
         super().__init__()
         self.w_1, self.w_2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(torch.relu(self.w_1(x)))
+        return self.w_2(self.dropout(torch.relu(self.w_1(x))))
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
+                 attn_dropout: float = 0.0, ff_dropout: float = 0.0):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True)
-        self.ff = FeedForward(d_model, d_ff)
+        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
+        self.ff = FeedForward(d_model, d_ff, ff_dropout)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(2))
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
@@ -51,11 +54,12 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
+                 attn_dropout: float = 0.0, ff_dropout: float = 0.0):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True)
-        self.src_attn = MultiHeadAttention(d_model, h, self_attention=False)
-        self.ff = FeedForward(d_model, d_ff)
+        self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
+        self.src_attn = MultiHeadAttention(d_model, h, self_attention=False, dropout=attn_dropout)
+        self.ff = FeedForward(d_model, d_ff, ff_dropout)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(3))
 
     def forward(self, x, memory, src_mask, cache: tuple[Cache, Cache] | None = None,

@@ -33,11 +33,13 @@ class DecodeState:
 
 class Transformer(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
-                 dropout: float, norm: str, tie_embeddings: bool, pad: int):
+                 dropout: float, norm: str, tie_embeddings: bool, pad: int, attn_dropout: float = 0.0,
+                 ff_dropout: float = 0.0):
         super().__init__()
         self.pad = pad
-        self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
-        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, dropout, norm) for _ in range(N)], d_model, norm)
+        drops = (dropout, norm, attn_dropout, ff_dropout)
+        self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
+        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
         self.src_embed = Embeddings(src_vocab, d_model)
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
@@ -90,10 +92,12 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
-               tie_embeddings: bool, pad: int) -> Transformer:
+               tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0) -> Transformer:
     """Builds the model from hyperparameters (params.yaml's `model` section; `pad`, the vocabulary's
-    padding id), Xavier-uniform on every matrix."""
-    model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad)
+    padding id), Xavier-uniform on every matrix. The two extra dropouts default to 0, as in model
+    files written before they existed."""
+    model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad,
+                        attn_dropout, ff_dropout)
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)

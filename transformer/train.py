@@ -109,8 +109,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     corpus = _training_split(params, vocab_dir, tokenized, src_vocab)
     valid = ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")
     refs = _references(references, len(valid), p.patience, env.main)
-    m = params.model
-    model = make_model(len(src_vocab), len(tgt_vocab), m.N, m.d_model, m.d_ff, m.h, m.dropout, m.norm, m.tie_embeddings, PAD)
+    model = make_model(**_model_config(params, src_vocab, tgt_vocab))
     model.to(env.device)
     fused = env.device.type in ("cuda", "cpu")  # one kernel updates every tensor
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
@@ -184,7 +183,8 @@ def patience_spent(bleus: list[float], patience: int) -> bool:
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
     m = params.model
     return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "N": m.N, "d_model": m.d_model, "d_ff": m.d_ff,
-            "h": m.h, "dropout": m.dropout, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "pad": PAD}
+            "h": m.h, "dropout": m.dropout, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "pad": PAD,
+            "attn_dropout": m.attn_dropout, "ff_dropout": m.ff_dropout}
 
 
 def _resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist) -> Progress:
@@ -421,7 +421,7 @@ class _Loop:
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
             with sync, self.autocast():
                 hidden = self.step_model(batch.src, batch.tgt_in)
-                loss = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing)
+                loss = token_loss(self.model, hidden, batch.tgt_out, PAD, self.p.label_smoothing, self.p.smoothing_zeroes_pad)
                 (loss * (env.world / total)).backward()
             loss_sum += loss.detach()
         self.optimizer.step()

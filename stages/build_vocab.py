@@ -19,7 +19,8 @@ def main(params_path: Path, tokenized: Path, out: Path) -> None:
     params = load_params(params_path)
     d, v = params.data, params.vocab
     with atomic_dir(out) as tmp:
-        sizes = build_vocabs(tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid)
+        sizes = build_vocabs(tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid,
+                             v.seed)
     click.echo(f"{v.kind} vocabulary: {sizes['src_size']} source, {sizes['tgt_size']} target entries", err=True)
 
 

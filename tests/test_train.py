@@ -69,7 +69,7 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
         for lang in ("de", "en"):
             (raw / f"{split}.{lang}").write_text("\n".join(src) + "\n")
     tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val")
+    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val", seed=1)
     params = params_from_dict(tiny_params(**{"vocab.kind": "word", "model.tie_embeddings": False, "model.N": 2, "model.d_model": 64,
                                              "model.d_ff": 128, "train.epochs": 20, "train.max_tokens": 200, "train.factor": 1.0,
                                              "train.label_smoothing": 0.0, "train.cooldown": 0.5}))
@@ -123,7 +123,7 @@ def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
     params = _write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
     run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test

@@ -31,7 +31,7 @@ def _synthetic(n: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> BpeVocab:
-    return BpeVocab.train(_synthetic(300, seed=0), 60)
+    return BpeVocab.train(_synthetic(300, seed=0), 60, seed=1)
 
 
 def test_special_ids_are_fixed():
@@ -94,7 +94,7 @@ def test_build_vocabs_leaves_only_its_outputs(tmp_path):
     for split in ("train", "val"):
         for lang in ("de", "en"):
             (tok / f"{split}.{lang}").write_text("\n".join(_synthetic(200, seed=2)) + "\n")
-    build_vocabs(tok, tmp_path / "out", ("de", "en"), "bpe", 50, 1, "train", "val")
+    build_vocabs(tok, tmp_path / "out", ("de", "en"), "bpe", 50, 1, "train", "val", seed=1)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpe.model", "bpe.vocab", "train.pt", "val.pt", "vocab.json", "vocab.pt"]
 
 
@@ -137,7 +137,7 @@ def _tokenized_corpus(tok: Path) -> None:
 def test_build_vocabs_bpe_writes_vocab_and_id_arrays(tmp_path):
     tok, out = tmp_path / "tok", tmp_path / "vocab"
     _tokenized_corpus(tok)
-    sizes = build_vocabs(tok, out, ("de", "en"), "bpe", 60, 2, "train", "val")
+    sizes = build_vocabs(tok, out, ("de", "en"), "bpe", 60, 2, "train", "val", seed=1)
     assert sizes == {"src_size": 60, "tgt_size": 60}
     for name in ("bpe.model", "bpe.vocab", "vocab.json", "vocab.pt", "train.pt", "val.pt"):
         assert (out / name).exists(), name
@@ -153,7 +153,7 @@ def test_build_vocabs_bpe_writes_vocab_and_id_arrays(tmp_path):
 def test_build_vocabs_word_writes_separate_vocabularies(tmp_path):
     tok, out = tmp_path / "tok", tmp_path / "vocab"
     _tokenized_corpus(tok)
-    build_vocabs(tok, out, ("de", "en"), "word", 60, 1, "train", "val")
+    build_vocabs(tok, out, ("de", "en"), "word", 60, 1, "train", "val", seed=1)
     for name in ("src.vocab", "tgt.vocab", "vocab.pt", "vocab.json", "train.pt", "val.pt"):
         assert (out / name).exists(), name
     src, tgt = load_vocabs(out)

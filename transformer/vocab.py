@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import io
 import math
 import pickle
 import random
-import tempfile
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -22,6 +22,7 @@ from transformer.io import DataError, atomic_path, read_lines, save_torch, write
 
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 BOS, EOS, PAD, UNK = range(4)
+SAMPLE = 5_000_000  # training lines sentencepiece learns BPE from; a larger corpus is sampled (seeded)
 
 
 class WordVocab:
@@ -62,20 +63,30 @@ class BpeVocab:
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
 
     @classmethod
-    def train(cls, lines: list[str], size: int) -> BpeVocab:
-        import sentencepiece as spm
+    def train(cls, lines: list[str], size: int, seed: int, sample: int = SAMPLE) -> BpeVocab:
+        """Learns `size` pieces from `lines`, or from `sample` of them drawn with `seed`.
 
-        with tempfile.TemporaryDirectory(prefix="bpe-") as work:
-            seed_file = Path(work) / "train.txt"
-            write_lines(seed_file, lines)
-            spm.SentencePieceTrainer.train(
-                input=str(seed_file), model_prefix=str(Path(work) / "bpe"), vocab_size=size, model_type="bpe",
-                character_coverage=1.0, normalization_rule_name="identity",  # keep text (and JOINER) reversible
-                bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece="<s>", eos_piece="</s>",
-                pad_piece="<blank>", unk_piece="<unk>", input_sentence_size=5_000_000, shuffle_input_sentence=True,
-                minloglevel=2, num_threads=max(1, torch.get_num_threads()), hard_vocab_limit=False,
-            )
-            return cls((Path(work) / "bpe.model").read_bytes())
+        The sample is ours: sentencepiece's (input_sentence_size) ignores any seed and draws
+        other lines in every process. Lines go in, and the model comes out, through memory,
+        so no temporary path is recorded in it; nor is the thread count, which does not
+        change the pieces: the same lines and seed give the same bytes on any machine."""
+        import random
+
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2
+
+        if len(lines) > sample:
+            lines = [lines[i] for i in sorted(random.Random(seed).sample(range(len(lines)), sample))]
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=size, model_type="bpe",
+            character_coverage=1.0, normalization_rule_name="identity",  # keep text (and JOINER) reversible
+            bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece="<s>", eos_piece="</s>", pad_piece="<blank>",
+            unk_piece="<unk>", minloglevel=2, num_threads=max(1, torch.get_num_threads()), hard_vocab_limit=False,
+        )
+        proto = sentencepiece_model_pb2.ModelProto.FromString(model.getvalue())
+        proto.trainer_spec.ClearField("num_threads")
+        return cls(proto.SerializeToString())
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -272,13 +283,14 @@ def _sample_chunk(chunk: tuple[list[str], float, int]) -> tuple[array, array]:
 
 
 def build_vocabs(
-    tok_dir: Path, out_dir: Path, langs: tuple[str, str], kind: str, size: int, min_freq: int, train: str, valid: str
+    tok_dir: Path, out_dir: Path, langs: tuple[str, str], kind: str, size: int, min_freq: int, train: str, valid: str,
+    seed: int,
 ) -> dict[str, int]:
     """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays."""
     train_src, train_tgt = (read_lines(tok_dir / f"{train}.{lang}") for lang in langs)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bpe":
-        src = tgt = BpeVocab.train(train_src + train_tgt, size)
+        src = tgt = BpeVocab.train(train_src + train_tgt, size, seed)
     else:
         src, tgt = WordVocab.build(train_src, min_freq), WordVocab.build(train_tgt, min_freq)
     save_vocabs(out_dir, src, tgt)

@@ -361,8 +361,10 @@ def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, buil
         {f"{t}_bleu": s["bleu"] for t, s in scores.items()}  # the preset's test sets, scored and logged
     test = sorted(testsets - {"val"})[0]
     raw = repo / "data/raw"
-    assert len((raw / f"train.{data['src_lang']}").read_text().splitlines()) == 1200  # tags dropped, archives joined
+    iwslt = preset.startswith("iwslt")
+    # IWSLT14: 1200 sentences and 4 titles (tags dropped, their text kept), every 23rd to val; WMT14: archives joined
+    assert len((raw / f"train.{data['src_lang']}").read_text().splitlines()) == (1204 - 1204 // 23 if iwslt else 1200)
     assert "<" not in (raw / f"{test}.{data['tgt_lang']}").read_text()  # only the <seg> text
     translations = (repo / f"data/translations/{test}.txt").read_text().splitlines()
-    assert len(translations) == (60 if preset.startswith("iwslt") else 40)
+    assert len(translations) == (75 if iwslt else 40)  # IWSLT14: 5 sets of 15
     assert len(list((repo / "reports/figures").glob("*.png"))) == 11

@@ -150,6 +150,8 @@ FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "train.l
              "train.bpe_dropout"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option
+PATH_NAMES = ("data.corpus", "data.src_lang", "data.tgt_lang", "data.valid", "decode.testsets")
 
 
 def load_params(path: Path | str = "params.yaml") -> Params:
@@ -250,6 +252,10 @@ def _check_values(p: Params, source: str) -> None:
         fail("report.label", "may hold only letters, digits, '_', '.' and '-'")
     if not REGISTERED_NAME.fullmatch(p.export.registered_name):
         fail("export.registered_name", "must be letters, digits, '_', '.' or '-', starting with a letter or digit")
+    for key in PATH_NAMES:
+        names = flat[key] if isinstance(flat[key], list) else [flat[key]]
+        if not all(NAME.fullmatch(name) for name in names):
+            fail(key, "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'")
     if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
 

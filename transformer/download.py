@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import html
+import io
 import os
 import re
 import sys
@@ -17,11 +17,18 @@ from typing import Any
 
 import yaml
 
+from transformer.config import NAME
 from transformer.io import DataError, atomic_dir, sha256_file
 
 MIRROR_ENV = "TRANSFORMER_DATA_MIRROR"
 FORMATS = ("text", "tags", "sgm")
+SELECTORS = ("keep_every", "drop_every")  # keep_every: n keeps lines n, 2n, ...; drop_every: n keeps the others
+MAX_BYTES = 4 << 30  # a source's size once decompressed: beyond, a decompression bomb or not the registered file
+MAX_ARCHIVE_BYTES = 16 << 30  # the same for a whole tar archive, read through to find a member
+MAX_MEMBERS = 100_000
 _SEG = re.compile(r"<seg[^>]*>(.*)</seg>", re.IGNORECASE)
+_TAG_LINES = ("<url>", "<talkid>", "<keywords>")  # TED metadata lines that fairseq's prepare-iwslt14.sh drops
+_TAGS_KEPT = re.compile(r"</?(title|description)>")  # ... and tags it strips, keeping their text
 
 
 def load_registry(path: Path | str, corpus: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
@@ -39,6 +46,9 @@ def load_registry(path: Path | str, corpus: str) -> dict[str, dict[str, list[dic
     for split, langs in entry.items():
         for lang, sources in langs.items():
             where = f"{path}: {corpus}.{split}.{lang}"
+            if not all(isinstance(name, str) and NAME.fullmatch(name) for name in (split, lang)):
+                raise DataError(f"{where}: split and language names become file names: letters, digits, "
+                                f"'_', '.' and '-' only, not starting with '.' or '-'")
             if not isinstance(sources, list) or not sources:
                 raise DataError(f"{where}: expected a non-empty list of sources")
             for s in sources:
@@ -53,6 +63,15 @@ def _check_source(source: dict[str, Any], where: str, base: Path) -> None:
         raise DataError(f"{where}: source {source.get('url') or source.get('path')} has no 'sha256' key")
     if source.get("format", "text") not in FORMATS:
         raise DataError(f"{where}: format '{source['format']}' is not one of {', '.join(FORMATS)}")
+    every = [k for k in SELECTORS if k in source]
+    if len(every) > 1 or any(type(source[k]) is not int or source[k] < 2 for k in every):
+        raise DataError(f"{where}: at most one of {', '.join(SELECTORS)}, an integer >= 2")
+    if "url" in source:
+        url = str(source["url"])
+        if not url.startswith("https://") and not (url.startswith("http://") and source["sha256"]):
+            raise DataError(f"{where}: {url}: use https, or pin the sha256 of a plain-http download")
+        if not NAME.fullmatch(_basename(url)):
+            raise DataError(f"{where}: {url}: the file name it ends with is not a safe file name")
     if "path" in source:
         source["path"] = str((base / source["path"]).resolve())
 
@@ -127,13 +146,12 @@ def _verify(path: Path, expected: str | None) -> None:
 
 def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
     member = source.get("member")
-    data = _tar_member(path, member) if member else path.read_bytes()
+    data = _tar_member(path, member) if member else None
     name = f"{path}:{member}" if member else str(path)
     if (member or path.name).endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (EOFError, OSError, zlib.error) as e:
-            raise DataError(f"{name}: truncated or corrupt gzip ({e})") from None
+        data = _gunzip(gzip.GzipFile(fileobj=io.BytesIO(data)) if member else gzip.open(path), name)
+    elif data is None:
+        data = path.read_bytes()  # not compressed: as large as it looks
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -143,22 +161,37 @@ def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     fmt = source.get("format", "text")
-    if fmt == "tags":  # TED transcripts: metadata lines are XML-ish tags
-        lines = [line for line in lines if not line.lstrip().startswith("<")]
+    if fmt == "tags":  # TED transcripts between metadata lines, as fairseq's prepare-iwslt14.sh reads them
+        lines = [_TAGS_KEPT.sub("", line) for line in lines if not any(tag in line for tag in _TAG_LINES)]
     elif fmt == "sgm":
         lines = [html.unescape(m.group(1)) for m in map(_SEG.search, lines) if m]
+    if "keep_every" in source:  # fairseq's awk 'NR % n == 0'
+        lines = lines[source["keep_every"] - 1::source["keep_every"]]
+    elif "drop_every" in source:
+        n = source["drop_every"]
+        lines = [line for i, line in enumerate(lines, 1) if i % n]
     return [line.strip() for line in lines]
+
+
+def _gunzip(stream: gzip.GzipFile, name: str) -> bytes:
+    """Decompresses at most MAX_BYTES; more is refused before it fills memory."""
+    try:
+        with stream:
+            data = stream.read(MAX_BYTES + 1)
+    except (EOFError, OSError, zlib.error) as e:
+        raise DataError(f"{name}: truncated or corrupt gzip ({e})") from None
+    if len(data) > MAX_BYTES:
+        raise DataError(f"{name}: decompresses to more than {MAX_BYTES:,} bytes (transformer.download.MAX_BYTES): "
+                        f"a decompression bomb, or not the file the registry means")
+    return data
 
 
 def _tar_member(archive: Path, member: str) -> bytes:
     """Reads one member, after refusing archives whose members could escape an output directory."""
     try:
         with tarfile.open(archive) as tar:
-            for info in tar.getmembers():
-                unsafe = info.name.startswith(("/", "\\")) or ".." in Path(info.name).parts
-                if unsafe or info.issym() or info.islnk() or info.isdev():
-                    kind = "a link" if info.issym() or info.islnk() else "a device" if info.isdev() else "a path"
-                    raise DataError(f"{archive}: unsafe archive member '{info.name}' ({kind} escaping the output directory)")
+            for count, info in enumerate(tar, 1):
+                _check_member(archive, info, count)
             try:
                 f = tar.extractfile(member)
             except KeyError:
@@ -168,3 +201,15 @@ def _tar_member(archive: Path, member: str) -> bytes:
             return f.read()
     except (tarfile.TarError, EOFError, zlib.error) as e:
         raise DataError(f"{archive}: truncated or corrupt archive ({e})") from None
+
+
+def _check_member(archive: Path, info: tarfile.TarInfo, count: int) -> None:
+    unsafe = info.name.startswith(("/", "\\")) or ".." in Path(info.name).parts
+    if unsafe or info.issym() or info.islnk() or info.isdev():
+        kind = "a link" if info.issym() or info.islnk() else "a device" if info.isdev() else "a path"
+        raise DataError(f"{archive}: unsafe archive member '{info.name}' ({kind} escaping the output directory)")
+    too_big = info.size > MAX_BYTES or info.offset_data + info.size > MAX_ARCHIVE_BYTES or count > MAX_MEMBERS
+    if too_big:
+        raise DataError(f"{archive}: member '{info.name}' takes the archive past its caps ({MAX_BYTES:,} bytes a member, "
+                        f"{MAX_ARCHIVE_BYTES:,} in all, {MAX_MEMBERS:,} members; transformer.download): "
+                        f"a decompression bomb, or not the file the registry means")

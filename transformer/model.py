@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,9 +109,55 @@ def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Tr
     """The model a file holds, built from its model_config with its weights, in eval mode, and the
     checkpoint itself (vocabularies, params); weights that do not fit the config raise DataError."""
     checkpoint = checkpoints.load(path)
-    model = make_model(**checkpoint["model_config"])
+    model = make_model(**check_model_config(checkpoint["model_config"], checkpoint["model"], str(path)))
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as e:
         raise DataError(f"{path}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
     return model.to(device).eval(), checkpoint
+
+
+MAX_LAYERS = 64  # the N a model file may ask for; its sizes are bounded by the weights it holds
+
+
+def check_model_config(config: Any, weights: dict[str, Any], source: str) -> dict[str, Any]:
+    """make_model's arguments from a model file, checked before anything is allocated.
+
+    Types and ranges first; then the model they describe, built on the meta device (no
+    memory), must have exactly the shapes of the file's weights: a file can never make
+    us build a model larger than itself."""
+    args = _checked_args(config, source)
+    found = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in weights.items()}
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in Transformer(**args).state_dict().items()}
+    except RuntimeError:  # sizes so large that even their shapes overflow
+        expected = {}
+    if found != expected:
+        key = min(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        raise DataError(f"{source}: weights do not fit the model config ('{key}' is {found.get(key)} in the file, "
+                        f"{expected.get(key)} by the config)")
+    return args
+
+
+def _checked_args(config: Any, source: str) -> dict[str, Any]:
+    signature = inspect.signature(make_model).parameters
+    if not isinstance(config, dict):
+        raise DataError(f"{source}: model config is a {type(config).__name__}, not a mapping")
+    unknown = sorted(set(config) - set(signature))
+    missing = sorted(k for k, p in signature.items() if p.default is p.empty and k not in config)
+    if unknown or missing:
+        raise DataError(f"{source}: model config has unknown keys {unknown} or lacks {missing}")
+    c = {k: p.default for k, p in signature.items()} | config
+    for key, value in c.items():
+        kind = signature[key].annotation  # the annotations are strings (from __future__ import annotations)
+        if not (type(value).__name__ == kind or (kind == "float" and type(value) is int)):
+            raise DataError(f"{source}: model config '{key}' = {value!r} is not {kind}")
+    ok = (1 <= c["N"] <= MAX_LAYERS and all(c[k] > 0 for k in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h"))
+          and c["d_model"] % c["h"] == 0 and c["d_model"] % 2 == 0 and c["norm"] in ("post", "pre")
+          and all(0 <= c[k] < 1 for k in ("dropout", "attn_dropout", "ff_dropout"))
+          and 0 <= c["pad"] < min(c["src_vocab"], c["tgt_vocab"]))
+    if not ok:
+        raise DataError(f"{source}: model config out of range: {config}; expected N in [1, {MAX_LAYERS}], positive "
+                        f"sizes, an even d_model divisible by h, dropouts in [0, 1), norm post or pre, pad < vocabulary")
+    return c

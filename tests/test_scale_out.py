@@ -1,25 +1,41 @@
 """Scale-out (issue 20): several nodes without a shared disk, every rank's RNG across a resume,
-the final upload after the collective work, validation pairs longer than train.max_tokens."""
+the final upload after the collective work, validation pairs longer than train.max_tokens;
+the loss's host sync, the Annotated Transformer's dropouts and smoothing, a reproducible BPE
+sample, IWSLT14's split, and safe downloads, names and model files."""
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import io
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_options, train_outputs
 from transformer import checkpoints
+from transformer.attention import MultiHeadAttention
+from transformer.config import ConfigError, params_from_dict
+from transformer.download import MIRROR_ENV, download_corpus, load_registry
+from transformer.io import DataError
+from transformer.layers import FeedForward
+from transformer.loss import smoothed_cross_entropy, token_loss
+from transformer.model import check_model_config, make_model
+from transformer.translate import Translator
+from transformer.vocab import PAD, BpeVocab, WordVocab
 
 # Dropout on, so that every rank draws random numbers; 600 pairs make 6 updates an epoch on 2 ranks.
 DDP_RUN = {"train.nproc": 2, "train.epochs": 10, "train.save_every": 4, "model.dropout": 0.1}
@@ -256,3 +272,325 @@ def test_each_rank_restores_its_own_rng_state():
         drawn = torch.rand(3)
         torch.manual_seed(seed)
         assert torch.equal(drawn, torch.rand(3))
+
+
+# Helper c20b: defects 4, 6, 7, 8 and 9.
+
+V = 20
+
+
+def _tiny(**kw) -> torch.nn.Module:
+    return make_model(V, V, N=1, d_model=16, d_ff=32, h=2, norm="pre", tie_embeddings=True, pad=PAD, **kw)
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, V, (3, 7), generator=g)
+    tgt = torch.randint(4, V, (3, 6), generator=g)
+    src[0, 5:], tgt[1, 3:], tgt[2, 5:] = PAD, PAD, PAD
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
+# Defect 4: the loss syncs with the host on every GPU micro-batch.
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("zero_pad", [False, True])
+def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected_positions(smoothing, zero_pad):
+    torch.manual_seed(0)
+    model = _tiny(dropout=0.0).eval()
+    _, _, tgt_out = _batch()
+    hidden = torch.randn(*tgt_out.shape, 16)
+    selected = token_loss(model, hidden, tgt_out, PAD, smoothing, zero_pad)  # the CPU path
+    every = smoothed_cross_entropy(model.generator(hidden).float().flatten(0, 1), tgt_out.flatten(), PAD, smoothing, zero_pad)
+    assert torch.allclose(selected, every, rtol=1e-6, atol=0)
+    assert selected.item() > 0
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing):
+    torch.manual_seed(0)
+    model = _tiny(dropout=0.0).eval()
+    _, _, tgt_out = _batch()
+    hidden = torch.randn(*tgt_out.shape, 16)
+    keep = tgt_out != PAD
+    before = F.cross_entropy(model.generator(hidden[keep]).float(), tgt_out[keep], reduction="sum", label_smoothing=smoothing)
+    assert torch.equal(token_loss(model, hidden, tgt_out, PAD, smoothing), before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_loss_runs_without_a_host_sync_and_matches_the_cpu():
+    torch.manual_seed(0)
+    model = _tiny(dropout=0.0).eval()
+    _, _, tgt_out = _batch()
+    hidden = torch.randn(*tgt_out.shape, 16)
+    cpu = token_loss(model, hidden, tgt_out, PAD, 0.1, True)
+    model.cuda()
+    hidden, tgt_out = hidden.cuda(), tgt_out.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        gpu = token_loss(model, hidden, tgt_out, PAD, 0.1, True)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model.generator(hidden[tgt_out != PAD])  # what the loss did before
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.allclose(gpu.cpu(), cpu, rtol=1e-5)
+
+
+# Defect 9: the Annotated Transformer's attention dropout, feed-forward dropout and pad-free smoothing.
+
+def _train_step(model: torch.nn.Module, seed: int, smoothing_zeroes_pad: bool = False) -> tuple[torch.Tensor, list]:
+    src, tgt_in, tgt_out = _batch()
+    torch.manual_seed(seed)
+    model.train()
+    hidden = model(src, tgt_in)
+    loss = token_loss(model, hidden, tgt_out, PAD, 0.1, smoothing_zeroes_pad)
+    loss.backward()
+    return hidden.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_new_dropouts_at_zero_train_exactly_as_the_model_without_them(monkeypatch):
+    torch.manual_seed(3)
+    new = _tiny(dropout=0.1, attn_dropout=0.0, ff_dropout=0.0)
+    old = _tiny(dropout=0.1)
+    old.load_state_dict(new.state_dict())
+    hidden_new, grads_new = _train_step(new, seed=7)
+    # The forward passes as they were before these params existed: no dropout in either place.
+    monkeypatch.setattr(FeedForward, "forward", lambda self, x: self.w_2(torch.relu(self.w_1(x))))
+    monkeypatch.setattr(MultiHeadAttention, "_attend",
+                        lambda self, q, k, v, mask, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
+    hidden_old, grads_old = _train_step(old, seed=7)
+    assert torch.equal(hidden_new, hidden_old)
+    assert all(torch.equal(a, b) for a, b in zip(grads_new, grads_old))
+
+
+@pytest.mark.parametrize("param", ["attn_dropout", "ff_dropout"])
+def test_each_new_dropout_acts_in_training_only(param):
+    torch.manual_seed(3)
+    plain, dropped = _tiny(dropout=0.0), _tiny(dropout=0.0, **{param: 0.5})
+    dropped.load_state_dict(plain.state_dict())
+    assert not torch.equal(_train_step(plain, seed=7)[0], _train_step(dropped, seed=7)[0])
+    src, tgt_in, _ = _batch()
+    assert torch.equal(plain.eval()(src, tgt_in), dropped.eval()(src, tgt_in))
+
+
+def test_pad_free_smoothing_is_the_annotated_transformers_label_smoothing():
+    torch.manual_seed(0)
+    smoothing, n = 0.1, 5
+    logits, target = torch.randn(n, V), torch.tensor([5, 6, PAD, 1, 9])
+    # Its LabelSmoothing: smoothing / (V - 2) everywhere, the confidence on the gold token,
+    # nothing on the pad column, nothing for a pad target; here as cross-entropy, not KL.
+    true_dist = torch.full((n, V), smoothing / (V - 2))
+    true_dist.scatter_(1, target[:, None], 1 - smoothing)
+    true_dist[:, PAD] = 0
+    true_dist[target == PAD] = 0
+    expected = -(true_dist * logits.log_softmax(-1)).sum()
+    assert torch.allclose(smoothed_cross_entropy(logits, target, PAD, smoothing, zero_pad=True), expected, rtol=1e-6)
+    assert not torch.allclose(smoothed_cross_entropy(logits, target, PAD, smoothing), expected, rtol=1e-4)
+
+
+def _preset(name: str) -> dict:
+    return yaml.safe_load((ROOT / ("params.yaml" if name == "params" else f"params/{name}.yaml")).read_text())
+
+
+@pytest.mark.parametrize("name", ["params"] + sorted(p.stem for p in (ROOT / "params").glob("*.yaml")))
+def test_only_the_annotated_transformer_preset_uses_its_dropouts_and_pad_free_smoothing(name):
+    p = _preset(name)
+    m, t = p["model"], p["train"]
+    if name == "annotated_transformer":
+        assert m["attn_dropout"] == m["ff_dropout"] == m["dropout"] > 0 and t["smoothing_zeroes_pad"] is True
+    else:
+        assert m["attn_dropout"] == m["ff_dropout"] == 0 and t["smoothing_zeroes_pad"] is False
+
+
+# Defect 6: the WMT14 vocabulary comes from a sample of its lines, drawn unseeded.
+
+def _sampled_corpus(n: int) -> list[str]:
+    rng = random.Random(0)
+    words = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnrx"]
+    return [" ".join(rng.choices(words, weights=range(len(words), 0, -1), k=rng.randint(3, 12))) for _ in range(n)]
+
+
+def _build_in_a_process_of_its_own(corpus: Path, out: Path, seed: int) -> bytes:
+    # sentencepiece's own sampler drew the same lines within a process and others in the next
+    # one: only separate processes show whether a build repeats.
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom transformer.vocab import BpeVocab\n"
+              f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
+              f"open({str(out)!r}, 'wb').write(BpeVocab.train(lines, 150, seed={seed}, sample=300).proto)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    return out.read_bytes()
+
+
+@pytest.mark.slow
+def test_bpe_vocabulary_from_a_sampled_corpus_is_byte_identical_for_one_seed(tmp_path):
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("\n".join(_sampled_corpus(3000)) + "\n", encoding="utf-8")  # 10 samples' worth
+    first, second = (_build_in_a_process_of_its_own(corpus, tmp_path / name, seed=5) for name in ("a", "b"))
+    assert first == second
+    other = BpeVocab.train(_sampled_corpus(3000), 150, seed=6, sample=300)
+    assert [other.sp.id_to_piece(i) for i in range(len(other))] != [BpeVocab(first).sp.id_to_piece(i) for i in range(len(other))]
+
+
+# Defect 7: IWSLT14 split as fairseq's prepare-iwslt14.sh splits it.
+
+def _tgz(path: Path, members: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+
+
+def _ted_train(lang: str, talks: int, per_talk: int) -> tuple[str, list[str]]:
+    """train.tags as the IWSLT archive lays it out, and the lines fairseq keeps from it."""
+    raw, kept = [], []
+    for t in range(talks):
+        raw += [f"<url>http://www.ted.com/talks/{t}.html</url>", f"<keywords>talks, {lang}</keywords>",
+                f"<speaker>Speaker {t}</speaker>", f"<talkid>{t}</talkid>", f"<title>Title {t} {lang}</title>",
+                f"<description>About {t} {lang}</description>"]
+        kept += [f"<speaker>Speaker {t}</speaker>", f"Title {t} {lang}", f"About {t} {lang}"]
+        body = [f"talk {t} line {i} {lang}" for i in range(per_talk)]
+        raw, kept = raw + body, kept + body
+    return "\n".join(raw) + "\n", kept
+
+
+def _ted_xml(name: str, lang: str, n: int) -> tuple[str, list[str]]:
+    segs = [f"{name} {lang} {i} &amp; more" for i in range(n)]
+    body = "".join(f'<seg id="{i}"> {s} </seg>\n' for i, s in enumerate(segs, 1))
+    text = f'<?xml version="1.0" encoding="UTF-8"?>\n<mteval>\n<refset setid="iwslt2014-{name}" srclang="german">\n' \
+           f'<doc docid="1" genre="lectures">\n<url>http://www.ted.com/talks/x.html</url>\n<talkid>1</talkid>\n{body}</doc>\n' \
+           f'</refset>\n</mteval>\n'
+    return text, [s.replace("&amp;", "&") for s in segs]
+
+
+def test_iwslt14_splits_as_fairseq_test_is_five_sets_val_every_23rd_training_line(tmp_path, monkeypatch):
+    members, expected = {}, {}
+    sizes = {"TED.dev2010": 7, "TEDX.dev2012": 5, "TED.tst2010": 4, "TED.tst2011": 3, "TED.tst2012": 6}
+    for lang in ("de", "en"):
+        members[f"de-en/train.tags.de-en.{lang}"], kept = _ted_train(lang, talks=5, per_talk=20)
+        expected[f"val.{lang}"] = [line for i, line in enumerate(kept, 1) if i % 23 == 0]
+        expected[f"train.{lang}"] = [line for i, line in enumerate(kept, 1) if i % 23]
+        expected[f"test.{lang}"] = []
+        for name, n in sizes.items():  # fairseq's order: dev2010, TEDX.dev2012, tst2010, tst2011, tst2012
+            members[f"de-en/IWSLT14.{name}.de-en.{lang}.xml"], segs = _ted_xml(name, lang, n)
+            expected[f"test.{lang}"] += segs
+    _tgz(tmp_path / "mirror/iwslt14/de-en.tgz", members)
+    monkeypatch.setenv(MIRROR_ENV, str(tmp_path / "mirror"))
+    counts = download_corpus(ROOT / "transformer/corpora.yaml", "iwslt14", ("de", "en"), tmp_path / "raw")
+    assert counts["test.de"] == sum(sizes.values()) and counts["val.en"] == 115 // 23
+    for name, lines in expected.items():
+        assert (tmp_path / "raw" / name).read_text(encoding="utf-8").split("\n")[:-1] == lines, name
+
+
+# Defect 8: https, decompression caps, bounded model configs, safe path components.
+
+def _registry(tmp_path: Path, sources: dict[str, list[dict]], corpus: str = "c") -> Path:
+    path = tmp_path / "corpora.yaml"
+    path.write_text(yaml.safe_dump({corpus: {"train": sources}}), encoding="utf-8")
+    return path
+
+
+def test_every_shipped_corpus_url_is_https():
+    registry = yaml.safe_load((ROOT / "transformer/corpora.yaml").read_text())
+    urls = [s["url"] for entry in registry.values() for langs in entry.values() for srcs in langs.values() for s in srcs]
+    assert urls and all(url.startswith("https://") for url in urls)
+    for corpus in registry:
+        load_registry(ROOT / "transformer/corpora.yaml", corpus)  # passes its own checks
+
+
+def test_plain_http_without_a_pinned_checksum_is_refused(tmp_path):
+    sources = {"de": [{"url": "http://example.org/a.gz", "sha256": None}]}
+    with pytest.raises(DataError, match="use https") as e:
+        load_registry(_registry(tmp_path, sources), "c")
+    assert "c.train.de" in str(e.value)
+    pinned = {"de": [{"url": "http://example.org/a.gz", "sha256": "0" * 64}]}
+    load_registry(_registry(tmp_path, pinned), "c")  # the checksum vouches for the bytes
+
+
+@pytest.mark.parametrize("sources, message", [
+    ({"../de": [{"url": "https://example.org/a.gz", "sha256": None}]}, "become file names"),
+    ({"de": [{"url": "https://example.org/..", "sha256": None}]}, "not a safe file name"),
+    ({"de": [{"url": "https://example.org/a.gz", "sha256": None, "keep_every": 1}]}, "integer >= 2"),
+])
+def test_registry_names_that_would_escape_the_output_directory_are_refused(tmp_path, sources, message):
+    with pytest.raises(DataError, match=message):
+        load_registry(_registry(tmp_path, sources), "c")
+
+
+def _mirror_download(tmp_path: Path, monkeypatch, name: str, data: bytes, **extra) -> None:
+    import hashlib
+
+    (tmp_path / "mirror/c").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "mirror/c" / name).write_bytes(data)
+    source = {"url": f"https://example.org/{name}", "sha256": hashlib.sha256(data).hexdigest(), **extra}
+    monkeypatch.setenv(MIRROR_ENV, str(tmp_path / "mirror"))
+    download_corpus(_registry(tmp_path, {"de": [source], "en": [source]}), "c", ("de", "en"), tmp_path / "raw")
+
+
+def test_gzip_bomb_is_refused_with_one_error_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("transformer.download.MAX_BYTES", 1 << 20)
+    bomb = gzip.compress(b"\n" * (8 << 20), mtime=0)  # 8 MiB of newlines in about 8 KiB
+    with pytest.raises(DataError, match="decompression bomb") as e:
+        _mirror_download(tmp_path, monkeypatch, "bomb.gz", bomb)
+    assert "bomb.gz" in str(e.value)
+    assert not (tmp_path / "raw").exists()
+    _mirror_download(tmp_path, monkeypatch, "fine.gz", gzip.compress(b"ein Satz\n" * 1000, mtime=0))  # under the cap
+
+
+def test_archive_member_beyond_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr("transformer.download.MAX_BYTES", 1 << 20)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo("corpus/train.txt")
+        info.size = 2 << 20
+        tar.addfile(info, io.BytesIO(b"x\n" * (1 << 20)))
+    with pytest.raises(DataError, match="decompression bomb") as e:
+        _mirror_download(tmp_path, monkeypatch, "big.tgz", buffer.getvalue(), member="corpus/train.txt")
+    assert "big.tgz" in str(e.value) and "corpus/train.txt" in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("data.corpus", "../elsewhere"), ("data.src_lang", "d/e"), ("data.tgt_lang", ".."), ("data.valid", "-val"),
+    ("decode.testsets", ["val", "../../etc/x"]),
+])
+def test_params_that_become_path_components_are_checked_by_key(key, value):
+    raw = _preset("params")
+    section, name = key.split(".")
+    raw[section][name] = value
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        params_from_dict(raw)
+
+
+def _model_file(tmp_path: Path, **config_changes) -> Path:
+    config = {"src_vocab": 12, "tgt_vocab": 12, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.1,
+              "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    vocab = WordVocab(["<s>", "</s>", "<blank>", "<unk>"] + [f"w{i}" for i in range(8)])
+    path = tmp_path / "model.pt"
+    checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config | config_changes,
+                            "params": params_from_dict(_preset("params")).to_dict(),
+                            "vocab": {"src": vocab.state(), "tgt": vocab.state()}, "step": 1})
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"N": 10**7}, "out of range"),
+    ({"d_model": 2**16}, "do not fit"),  # built for real: 51 GB of attention weights alone
+    ({"d_model": 2**40}, "do not fit"),  # too large even for shapes
+    ({"d_ff": "32"}, "'d_ff' = '32' is not int"),
+    ({"norm": "both"}, "out of range"),
+    ({"hidden": 3}, "unknown keys"),
+])
+def test_model_file_config_is_bounded_before_a_model_is_built(tmp_path, changes, message):
+    path = _model_file(tmp_path, **changes)
+    with pytest.raises(DataError, match=message) as e:
+        Translator(path, device="cpu")
+    assert str(path) in str(e.value)
+
+
+def test_model_file_written_before_the_dropout_params_still_loads(tmp_path):
+    path = _model_file(tmp_path)
+    ckpt = checkpoints.load(path)
+    assert "attn_dropout" not in ckpt["model_config"]
+    args = check_model_config(ckpt["model_config"], ckpt["model"], str(path))
+    assert args["attn_dropout"] == args["ff_dropout"] == 0.0

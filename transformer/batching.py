@@ -25,7 +25,10 @@ class Batch:
 
 
 class ParallelCorpus:
-    """Token-id arrays written by build_vocab: line i is ids[offsets[i]:offsets[i + 1]]."""
+    """Token-id arrays written by build_vocab: line i is ids[offsets[i]:offsets[i + 1]].
+
+    The arrays are memory-mapped, not read: the processes of a node share one copy of
+    them (the page cache's), and only the pages a batch touches are ever read."""
 
     def __init__(self, path: Path | str | None = None, data: dict[str, torch.Tensor] | None = None):
         """From build_vocab's file, or from the same arrays in memory (`data`)."""
@@ -33,7 +36,7 @@ class ParallelCorpus:
             path = Path(path)
             if not path.exists():
                 raise DataError(f"{path}: token-id corpus not found (run the build_vocab stage)")
-            data = torch.load(path, weights_only=True)
+            data = torch.load(path, weights_only=True, mmap=True)
         self.src, self.src_off = data["src"], data["src_offsets"]
         self.tgt, self.tgt_off = data["tgt"], data["tgt_offsets"]
         self.src_lens = (self.src_off[1:] - self.src_off[:-1]) + 1  # + </s>

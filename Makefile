@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: repro test ui bench lock preset
+.PHONY: repro test ui bench bench-scale lock preset
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ ui: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	python bench/bench.py
+
+# The data path at WMT14 scale (4.5M pairs, about 6 GB of disk); PAIRS=200000 for a smaller run.
+PAIRS ?= 4500000
+bench-scale: $(VENV)/.installed
+	python bench/scale.py --pairs $(PAIRS)
 
 # Switch recipe: make preset P=multi30k_en_de (see params/).
 preset:

@@ -139,18 +139,18 @@ def measured(args: list[str]) -> dict[str, float]:
 
 
 def startup(params_path: Path, vocab_dir: Path) -> dict[str, float]:
-    """What train() does before its first update, on one rank; the seconds of each part."""
+    """What train() does before its first update, on one rank; the CPU seconds of each part."""
     from transformer.batching import ParallelCorpus, epoch_steps, token_batches
     from transformer.config import load_params
     from transformer.train import data_fingerprint
     from transformer.vocab import load_vocabs
 
-    params, times, tick = load_params(params_path), {}, time.perf_counter()
+    params, times, tick = load_params(params_path), {}, time.process_time()
 
-    def lap(name: str) -> None:
+    def lap(name: str) -> None:  # CPU seconds: on a shared machine, wall time mostly measures the others
         nonlocal tick
-        times[name] = round(time.perf_counter() - tick, 2)
-        tick = time.perf_counter()
+        times[name] = round(time.process_time() - tick, 2)
+        tick = time.process_time()
 
     load_vocabs(vocab_dir)
     corpus, valid = ParallelCorpus(vocab_dir / "train.pt"), ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")

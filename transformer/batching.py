@@ -82,9 +82,10 @@ def token_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_tokens: in
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(src_lens), generator=g)
     order = perm[torch.argsort(tgt_lens[perm] * 10_000 + src_lens[perm], stable=True)].tolist()
+    longer_side = torch.maximum(src_lens, tgt_lens).tolist()  # a list: indexing tensors one element at a time is slow
     batches, current, longest = [], [], 0
     for i in order:
-        n = max(int(src_lens[i]), int(tgt_lens[i]))
+        n = longer_side[i]
         if n > max_tokens:
             raise DataError(f"sentence pair {i} has {n} tokens, more than train.max_tokens = {max_tokens}")
         if current and max(longest, n) * (len(current) + 1) > max_tokens:

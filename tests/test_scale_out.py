@@ -100,7 +100,7 @@ def ddp_vocab(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("scale_vocab")
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     return tmp / "vocab"
 
 
@@ -252,7 +252,7 @@ def test_validation_pair_longer_than_max_tokens_does_not_stop_the_first_epoch(tm
         for side, lang in enumerate(("de", "en")):
             (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs))
     tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     max_tokens = 40
     valid = ParallelCorpus(tmp_path / "vocab" / "val.pt")
     assert int(torch.maximum(valid.src_lens, valid.tgt_lens).max()) > max_tokens, "the long pair must exceed max_tokens"

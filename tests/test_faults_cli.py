@@ -164,7 +164,7 @@ def test_decode_with_a_vocabulary_from_another_run_names_it(work):
     from transformer.vocab import build_vocabs
 
     shutil.rmtree(work / "vocab")
-    build_vocabs(work / "tok", work / "vocab", ("de", "en"), "bpe", 100, 1, "train", "val")
+    build_vocabs(work / "tok", work / "vocab", ("de", "en"), "bpe", 100, 1, "train", "val", seed=1)
     line = _assert_fails_cleanly(work, "decode", "vocab")
     assert "does not match" in line
 

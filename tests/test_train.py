@@ -210,7 +210,7 @@ def sampled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sampled")
     raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val")
+    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
                                    "train.bpe_dropout": 0.1, "train.cooldown": 0.3})
 
@@ -288,7 +288,7 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
         arrays[side], arrays[f"{side}_offsets"] = encode_corpus(vocab, read_lines(tmp_path / "tok" / f"train.{lang}")[:-1])
     torch.save(arrays, fewer_pairs / "train.pt")
     other_vocab = tmp_path / "other_vocab"
-    build_vocabs(tmp_path / "tok", other_vocab, ("de", "en"), "bpe", 100, 1, "train", "val")
+    build_vocabs(tmp_path / "tok", other_vocab, ("de", "en"), "bpe", 100, 1, "train", "val", seed=1)
     changes = [(fewer_pairs, {}, "the training data (token ids) changed"),
                (other_vocab, {}, "the vocabulary (vocab.pt) changed"),
                (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48")]

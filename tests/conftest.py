@@ -188,3 +188,30 @@ def pytest_terminal_summary(terminalreporter):
         results = _fault_results.get(category, [])
         if results:
             terminalreporter.write_line(f"{category}: {sum(results)} passed, {len(results) - sum(results)} failed")
+
+
+def write_params(directory: Path, **overrides) -> Path:
+    """tiny_params with `overrides` as directory/params.yaml."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "params.yaml"
+    path.write_text(yaml.safe_dump(tiny_params(**overrides)))
+    return path
+
+
+def train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
+    """stages/train.py's arguments for a vocab_dir-style toy corpus, outputs under `out`, no tracking."""
+    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
+            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
+
+
+def same_values(a, b) -> bool:
+    """Exact equality of nested dicts and lists of tensors and numbers."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    return a == b

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, project_copy, run, tiny_params, write_toy_corpus
+from conftest import BIN, project_copy, run, same_values, tiny_params, write_toy_corpus
 
 DVC = str(BIN / "dvc")
 
@@ -184,19 +184,9 @@ def _assert_same_model(repo: Path, reference: Path) -> None:
     mine, theirs = (torch.load(r / "data/model/model.pt", weights_only=True) for r in (repo, reference))
     assert mine.keys() == theirs.keys()
     for key in sorted(set(theirs) - set(RUN_RECORD)):
-        assert _same(mine[key], theirs[key]), f"model.pt differs in '{key}'"
+        assert same_values(mine[key], theirs[key]), f"model.pt differs in '{key}'"
 
 
-def _same(a, b) -> bool:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _start_repro(repo: Path) -> subprocess.Popen:

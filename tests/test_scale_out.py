@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_options, train_outputs
+from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, params_from_dict
@@ -48,16 +48,8 @@ def _env(**extra: str) -> dict:
                          "OMP_NUM_THREADS": "1"} | extra
 
 
-def _write_params(directory: Path, **overrides) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "params.yaml"
-    path.write_text(yaml.safe_dump(tiny_params(**overrides)))
-    return path
 
 
-def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
-            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
@@ -108,15 +100,15 @@ def ddp_vocab(tmp_path_factory) -> Path:
 def ddp_reference(tmp_path_factory, ddp_vocab) -> Path:
     """One uninterrupted 2-process run with dropout: the weights every resumed run must end with."""
     out = tmp_path_factory.mktemp("scale_reference")
-    run(_torchrun(1, 2) + _train_cmd(_write_params(out, **DDP_RUN), ddp_vocab, out), ROOT, env=_env())
+    run(_torchrun(1, 2) + train_cmd(write_params(out, **DDP_RUN), ddp_vocab, out), ROOT, env=_env())
     return out
 
 
 @pytest.mark.slow
 def test_two_ranks_with_dropout_resume_after_kill_9_to_bit_identical_weights(tmp_path, ddp_vocab, ddp_reference):
     """Each rank draws its own dropout masks; after the resume each must continue its own stream."""
-    params = _write_params(tmp_path, **DDP_RUN)
-    cmd = _torchrun(1, 2) + _train_cmd(params, ddp_vocab, tmp_path)
+    params = write_params(tmp_path, **DDP_RUN)
+    cmd = _torchrun(1, 2) + train_cmd(params, ddp_vocab, tmp_path)
     job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_checkpoint(tmp_path / "ckpt", 8, [job])  # step 8: mid-epoch 2, after dropout on both ranks
     _kill_9([job])
@@ -135,11 +127,11 @@ def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_we
     for node in nodes:  # each node its own copy of the inputs: nothing is shared but the network
         shutil.copytree(ddp_vocab, node / "vocab")
         shutil.copytree(ddp_vocab.parent / "toy", node / "toy")
-        _write_params(node, **DDP_RUN | {"train.nproc": 1, "train.nnodes": 2})
+        write_params(node, **DDP_RUN | {"train.nproc": 1, "train.nnodes": 2})
 
     def start() -> list[subprocess.Popen]:
         endpoint = f"127.0.0.1:{free_port()}"
-        return [subprocess.Popen(_torchrun(2, 1, i, endpoint) + _train_cmd(node / "params.yaml", node / "vocab", node),
+        return [subprocess.Popen(_torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", node / "vocab", node),
                                  cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for i, node in enumerate(nodes)]
 
@@ -160,10 +152,10 @@ def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_we
 @pytest.mark.slow
 def test_nodes_with_other_params_or_dvc_beyond_node_0_are_refused_at_start_up(tmp_path, ddp_vocab):
     nodes = [tmp_path / f"node{i}" for i in (0, 1)]
-    _write_params(nodes[0], **{"train.nnodes": 2})
-    _write_params(nodes[1], **{"train.nnodes": 2, "train.warmup": 50})
+    write_params(nodes[0], **{"train.nnodes": 2})
+    write_params(nodes[1], **{"train.nnodes": 2, "train.warmup": 50})
     endpoint = f"127.0.0.1:{free_port()}"
-    jobs = [subprocess.Popen(_torchrun(2, 1, i, endpoint) + _train_cmd(node / "params.yaml", ddp_vocab, node), cwd=ROOT,
+    jobs = [subprocess.Popen(_torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", ddp_vocab, node), cwd=ROOT,
                              env=_env(DVC_STAGE="train"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i, node in enumerate(nodes)]
     outputs = [j.communicate(timeout=240)[0] for j in jobs]
@@ -219,7 +211,7 @@ train(load_params(sys.argv[2]), Path(sys.argv[3]), outputs, Recorder)
 def test_final_upload_starts_after_every_rank_has_left_the_collectives(tmp_path, ddp_vocab):
     script = tmp_path / "train_with_recorder.py"
     script.write_text(FAKE_TRACKER)
-    params = _write_params(tmp_path, **{"train.nproc": 2, "train.epochs": 1, "train.max_steps": 2})
+    params = write_params(tmp_path, **{"train.nproc": 2, "train.epochs": 1, "train.max_steps": 2})
     run(_torchrun(1, 2) + [str(script), str(tmp_path), str(params), str(ddp_vocab)], ROOT, env=_env())
     assert (tmp_path / "upload.txt").read_text() == "False True", "rank 0 uploaded while the process group was up"
 

@@ -12,23 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, train_options, train_outputs
+from conftest import BIN, ROOT, free_port, run, same_values, tiny_params, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.schedule import rate
 
 
-def _write_params(tmp_path: Path, **overrides) -> Path:
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(tiny_params(**overrides)))
-    return path
 
 
-def _train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
-            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -84,8 +76,8 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
 
 
 def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 4, "train.keep": 2})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    params = write_params(tmp_path, **{"train.epochs": 4, "train.keep": 2})
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     names = [p.name for p in checkpoints.listed(tmp_path / "ckpt")]
     assert len(names) == 2
     steps = (tmp_path / "reports" / "train_steps.tsv").read_text().splitlines()
@@ -103,8 +95,8 @@ def test_cooldown_scales_the_last_updates_down_to_nearly_zero():
 
 
 def test_training_cools_down_over_its_last_updates(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 3, "train.cooldown": 0.5})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    params = write_params(tmp_path, **{"train.epochs": 3, "train.cooldown": 0.5})
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     rows = [line.split("\t") for line in (tmp_path / "reports" / "train_steps.tsv").read_text().splitlines()[1:]]
     steps, lrs = [int(r[0]) for r in rows], [float(r[2]) for r in rows]
     total = steps[-1]  # all 3 epochs: the run knew its length before the first update
@@ -125,8 +117,8 @@ def uninterrupted(tmp_path_factory):
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
-    params = _write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
-    run([sys.executable] + _train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test
+    params = write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
+    run([sys.executable] + train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test
     return params, tmp / "vocab", tmp / "out"
 
 
@@ -147,7 +139,7 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     after_step, delay = KILL_POINTS[landing]
     interrupted = tmp_path / "interrupted"
     env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen([sys.executable] + _train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable] + train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     started = threading.Event()
     threading.Thread(target=_watch_for_first_epoch, args=(proc, started), daemon=True).start()
@@ -161,17 +153,17 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     before = checkpoints.listed(interrupted / "ckpt")
     assert not before or before[-1].name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
 
-    result = run([sys.executable] + _train_cmd(params, vocab, interrupted), ROOT, timeout=1200)
+    result = run([sys.executable] + train_cmd(params, vocab, interrupted), ROOT, timeout=1200)
     assert ("resuming from" in result.stderr) == bool(before)
     kept, expected = checkpoints.listed(interrupted / "ckpt"), checkpoints.listed(reference / "ckpt")
     assert [p.name for p in kept] == [p.name for p in expected]
     for mine, theirs in zip(kept, expected):
         a, b = checkpoints.load(mine, checkpoints.RESUME_KEYS), checkpoints.load(theirs, checkpoints.RESUME_KEYS)
-        assert _same(a["model"], b["model"]) and _same(a["optimizer"], b["optimizer"]), mine.name
+        assert same_values(a["model"], b["model"]) and same_values(a["optimizer"], b["optimizer"]), mine.name
         assert (a["step"], a["epoch"], a["history"]["epochs"]) == (b["step"], b["epoch"], b["history"]["epochs"])
     assert (interrupted / "reports/train_epochs.tsv").read_bytes() == (reference / "reports/train_epochs.tsv").read_bytes()
     averaged = [checkpoints.average_checkpoints(out / "ckpt", 3)["model"] for out in (interrupted, reference)]
-    assert _same(*averaged)
+    assert same_values(*averaged)
     assert not list((interrupted / "ckpt").glob(".*.tmp"))
 
 
@@ -186,15 +178,6 @@ def _watch_for_first_epoch(proc: subprocess.Popen, started) -> None:
             started.set()
 
 
-def _same(a, b) -> bool:
-    """Exact equality of nested dicts and lists of tensors and numbers."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model on a busy host: waking threads costs more than it gives
@@ -211,11 +194,11 @@ def sampled(tmp_path_factory):
     raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
-    params = _write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
+    params = write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
                                    "train.bpe_dropout": 0.1, "train.cooldown": 0.3})
 
     def cmd(out: Path) -> list[str]:
-        return [sys.executable] + _train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
+        return [sys.executable] + train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
 
     result = run(cmd(tmp / "out"), ROOT, env=ONE_THREAD)
     return cmd, tmp / "tok", tmp / "out", result.stderr
@@ -256,8 +239,8 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
 
 
 def test_bpe_dropout_without_the_tokenized_text_stops_before_training(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.bpe_dropout": 0.1})
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
+    params = write_params(tmp_path, **{"train.bpe_dropout": 0.1})
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
     assert result.returncode == 1
     assert "train.bpe_dropout" in result.stderr and "--tokenized" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "ckpt").exists()
@@ -265,8 +248,8 @@ def test_bpe_dropout_without_the_tokenized_text_stops_before_training(tmp_path, 
 
 def test_changed_params_start_afresh_instead_of_resuming(tmp_path, vocab_dir):
     out = tmp_path / "out"
-    run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1}), vocab_dir, out), ROOT)
-    result = run([sys.executable] + _train_cmd(_write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out), ROOT)
+    run([sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 1}), vocab_dir, out), ROOT)
+    result = run([sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out), ROOT)
     assert "starting afresh" in result.stderr and "resuming" not in result.stderr
     assert checkpoints.load(checkpoints.listed(out / "ckpt")[-1])["params"]["train"]["warmup"] == 50
 
@@ -279,7 +262,7 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
     from transformer.vocab import build_vocabs, encode_corpus, load_vocabs
 
     out, steps = tmp_path / "out", {"train.epochs": 1, "train.max_steps": 2}
-    run([sys.executable] + _train_cmd(_write_params(tmp_path, **steps), vocab_dir, out), ROOT)
+    run([sys.executable] + train_cmd(write_params(tmp_path, **steps), vocab_dir, out), ROOT)
     fewer_pairs = tmp_path / "fewer_pairs"  # the same vocabulary, one training pair less
     shutil.copytree(vocab_dir, fewer_pairs)
     src, tgt = load_vocabs(vocab_dir)
@@ -294,7 +277,7 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
                (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48")]
     for vocab, model, why in changes:
         newest = checkpoints.listed(out / "ckpt")[-1]
-        result = run([sys.executable] + _train_cmd(_write_params(tmp_path, **steps, **model), vocab, out), ROOT)
+        result = run([sys.executable] + train_cmd(write_params(tmp_path, **steps, **model), vocab, out), ROOT)
         said = [line for line in result.stderr.splitlines() if "afresh" in line or "resuming" in line]
         assert said == [f"{newest}: not resumed, {why}; starting afresh"], result.stderr[-2000:]
         fresh = checkpoints.load(checkpoints.listed(out / "ckpt")[-1], checkpoints.RESUME_KEYS)
@@ -314,10 +297,10 @@ def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
     common = {"train.epochs": 1, "train.max_steps": 6, "model.dropout": 0.0}
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    one = _write_params(tmp_path / "one", **common, **{"train.accum": 2})
-    two = _write_params(tmp_path / "two", **common, **{"train.nproc": 2})
-    run([sys.executable] + _train_cmd(one, vocab_dir, tmp_path / "one"), ROOT)
-    run(_torchrun(1, 2) + _train_cmd(two, vocab_dir, tmp_path / "two"), ROOT)
+    one = write_params(tmp_path / "one", **common, **{"train.accum": 2})
+    two = write_params(tmp_path / "two", **common, **{"train.nproc": 2})
+    run([sys.executable] + train_cmd(one, vocab_dir, tmp_path / "one"), ROOT)
+    run(_torchrun(1, 2) + train_cmd(two, vocab_dir, tmp_path / "two"), ROOT)
     _assert_same_training(_final_weights(tmp_path / "one"), _final_weights(tmp_path / "two"))
     moved = checkpoints.load(checkpoints.listed(tmp_path / "one" / "ckpt")[-1])["step"]
     assert moved == 6
@@ -327,23 +310,23 @@ def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
 def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     """2 nodes x 1 process through c10d rendezvous on 127.0.0.1 train like 2 local processes."""
     common = {"train.epochs": 1, "train.max_steps": 4, "model.dropout": 0.0, "train.nnodes": 2}
-    params = _write_params(tmp_path, **common)
+    params = write_params(tmp_path, **common)
     endpoint = f"127.0.0.1:{free_port()}"
     env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    nodes = [subprocess.Popen(_torchrun(2, 1, rank, endpoint) + _train_cmd(params, vocab_dir, tmp_path / "nodes"),
+    nodes = [subprocess.Popen(_torchrun(2, 1, rank, endpoint) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [n.communicate(timeout=240)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     local = tmp_path / "local"
     local.mkdir()
-    run(_torchrun(1, 2) + _train_cmd(_write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local), ROOT)
+    run(_torchrun(1, 2) + train_cmd(write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local), ROOT)
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
 
 
 def test_diverging_loss_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path, vocab_dir):
     # A huge learning rate makes the loss overflow within a few updates: a real divergence.
-    params = _write_params(tmp_path, **{"train.factor": 1e6, "train.warmup": 1, "train.save_every": 1})
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
+    params = write_params(tmp_path, **{"train.factor": 1e6, "train.warmup": 1, "train.save_every": 1})
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT, check=False)
     assert result.returncode == 1
     assert "at step" in result.stderr and ("non-finite" in result.stderr or "error: loss is" in result.stderr)
     assert "Traceback" not in result.stderr
@@ -354,8 +337,8 @@ def test_diverging_loss_stops_with_the_step_and_keeps_finite_checkpoints(tmp_pat
 
 
 def test_unreachable_tracking_server_fails_before_any_training(tmp_path, vocab_dir):
-    params = _write_params(tmp_path)
-    cmd = [sys.executable] + [a for a in _train_cmd(params, vocab_dir, tmp_path) if a != "--no-track"]
+    params = write_params(tmp_path)
+    cmd = [sys.executable] + [a for a in train_cmd(params, vocab_dir, tmp_path) if a != "--no-track"]
     result = run(cmd, ROOT, check=False, env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"})
     assert result.returncode == 1
     assert "is unreachable" in result.stderr and "MLFLOW_TRACKING_URI" in result.stderr
@@ -363,11 +346,11 @@ def test_unreachable_tracking_server_fails_before_any_training(tmp_path, vocab_d
 
 
 def test_rerunning_a_finished_training_changes_nothing(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 2, "train.max_steps": 5})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    params = write_params(tmp_path, **{"train.epochs": 2, "train.max_steps": 5})
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     before = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")]
     epochs = (tmp_path / "reports" / "train_epochs.tsv").read_text()
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     assert "resuming from" in result.stderr
     assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")] == before
     assert (tmp_path / "reports" / "train_epochs.tsv").read_text() == epochs
@@ -397,8 +380,8 @@ def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tm
     from transformer.score import score_lines
     from transformer.translate import Translator
 
-    params = _write_params(tmp_path, **{"train.epochs": 6, "decode.max_len_extra": 20, "decode.batch_tokens": 150})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    params = write_params(tmp_path, **{"train.epochs": 6, "decode.max_len_extra": 20, "decode.batch_tokens": 150})
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     rows = _validations(tmp_path)
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
     last = checkpoints.listed(tmp_path / "ckpt")[-1]
@@ -410,8 +393,8 @@ def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tm
 
 
 def test_eval_every_validates_and_checkpoints_between_epoch_ends_too(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 2, "train.eval_every": 4, "train.keep": 20, "average.last_k": 1})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    params = write_params(tmp_path, **{"train.epochs": 2, "train.eval_every": 4, "train.keep": 20, "average.last_k": 1})
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     rows = _validations(tmp_path)
     per_epoch = int(next(r["step"] for r in rows if r["epoch"] == 1))
     between = [s for s in range(4, 2 * per_epoch, 4) if s != per_epoch]
@@ -422,9 +405,9 @@ def test_eval_every_validates_and_checkpoints_between_epoch_ends_too(tmp_path, v
 
 
 def test_select_best_keeps_the_best_k_beside_the_last_ones(tmp_path, vocab_dir):
-    params = _write_params(tmp_path, **{"train.epochs": 6, "train.keep": 1, "average.select": "best", "average.last_k": 3,
+    params = write_params(tmp_path, **{"train.epochs": 6, "train.keep": 1, "average.select": "best", "average.last_k": 3,
                                         "train.factor": 3.0})
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     rows = _validations(tmp_path)
     best = checkpoints.best_steps({int(r["step"]): r["val_bleu"] for r in rows}, 3)
     assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(set(best) | {int(rows[-1]["step"])})
@@ -433,19 +416,19 @@ def test_select_best_keeps_the_best_k_beside_the_last_ones(tmp_path, vocab_dir):
 
 def _stalled(tmp_path: Path, **overrides) -> Path:
     """Params whose learning rate is too small to change any translation: val BLEU never rises."""
-    return _write_params(tmp_path, **{"train.epochs": 8, "train.factor": 1e-9, "train.patience": 2} | overrides)
+    return write_params(tmp_path, **{"train.epochs": 8, "train.factor": 1e-9, "train.patience": 2} | overrides)
 
 
 def test_patience_stops_training_and_a_rerun_stays_stopped(tmp_path, vocab_dir):
     params = _stalled(tmp_path)
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     assert "stopping early" in result.stderr
     rows = _validations(tmp_path)
     assert [r["epoch"] for r in rows] == [1, 2, 3]  # the best at epoch 1, then 2 validations no higher
     summary = json.loads((tmp_path / "reports" / "train.json").read_text())
     assert summary["stopped_early"] is True and summary["steps"] == rows[-1]["step"]
     before = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")]
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     assert "resuming from" in result.stderr and "epoch 4/8" not in result.stderr  # no progress bar: no update
     assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(tmp_path / "ckpt")] == before
 
@@ -454,10 +437,10 @@ def test_patience_counts_validations_from_before_a_resume(tmp_path, vocab_dir):
     """Lose the last checkpoint (as a kill right after it would): the rerun resumes at epoch 2 with
     one validation without a rise in its history, so it stops after epoch 3, as the first run did."""
     params = _stalled(tmp_path)
-    run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     first = _validations(tmp_path)
     checkpoints.listed(tmp_path / "ckpt")[-1].unlink()
-    result = run([sys.executable] + _train_cmd(params, vocab_dir, tmp_path), ROOT)
+    result = run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     assert "resuming from" in result.stderr and "stopping early" in result.stderr
     assert _validations(tmp_path) == first
 
@@ -466,6 +449,6 @@ def test_patience_counts_validations_from_before_a_resume(tmp_path, vocab_dir):
 def test_two_processes_stop_early_together(tmp_path, vocab_dir):
     """Rank 0 validates and decides; a rank that missed the decision would wait forever in its next update."""
     params = _stalled(tmp_path, **{"train.nproc": 2})
-    result = run(_torchrun(1, 2) + _train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
+    result = run(_torchrun(1, 2) + train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
     assert "stopping early" in result.stderr
     assert [r["epoch"] for r in _validations(tmp_path)] == [1, 2, 3]

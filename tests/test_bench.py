@@ -1,0 +1,34 @@
+"""bench/bench.py's training rows: bf16 rows only where the CPU has bf16 hardware."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench  # noqa: E402
+
+TINY = bench.Size("tiny", N=1, d_model=16, d_ff=32, h=2)
+PLAN = bench.Plan(sizes=("tiny",), warmup=(0,), row_seconds=(0.0,), decode_sentences=4, matmul_seconds=0.0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "synthetic.pt"
+    bench.write_synthetic(path, 11_000, 50, seed=1)  # 40 batches of 256 sentences
+    return bench.Data(bench.ParallelCorpus(path), 50, 50, True, "synthetic")
+
+
+def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(data):
+    rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})
+    assert [r["key"] for r in rows] == ["a", "b", "c", "d"]
+    assert {r["key"]: r["vs"] for r in rows} == {"a": "b", "b": None, "c": "d", "d": None}
+    assert all(r["dtype"] == "fp32" and r["tokens_per_s"] > 0 for r in rows)
+    assert "bf16 not measured" in bench.table({"fp32": 1.0}, 0.0, rows)
+
+
+def test_with_a_bf16_peak_rows_e_and_f_run_in_bf16(data):
+    rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
+    assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [("e", "bf16", "d"), ("f", "bf16", "d")]

@@ -35,9 +35,9 @@ def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, ti
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))
     if track:
-        from transformer.tracking import log_to_training_run
+        from transformer.tracking import log_to_run
 
-        log_to_training_run(model.get("mlflow_run_id"), texts={"reports/reproduction.md": body})
+        log_to_run(model.get("mlflow_run_id"), texts={"reports/reproduction.md": body})
     click.echo(f"{out}: section {key} written", err=True)
 
 

@@ -21,9 +21,9 @@ def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
     checkpoints.save(out, model)
     click.echo(f"averaged {', '.join(model['averaged'])} into {out}", err=True)
     if track:
-        from transformer.tracking import log_to_training_run
+        from transformer.tracking import log_to_run
 
-        log_to_training_run(model.get("mlflow_run_id"), {"model": [out]})
+        log_to_run(model.get("mlflow_run_id"), {"model": [out]})
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs:
     paths = draw_figures(model, ckpt, source, steps, epochs, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)
     if track:
-        from transformer.tracking import log_to_training_run
+        from transformer.tracking import log_to_run
 
-        log_to_training_run(ckpt.get("mlflow_run_id"), {"figures": paths})
+        log_to_run(ckpt.get("mlflow_run_id"), {"figures": paths})
 
 
 if __name__ == "__main__":

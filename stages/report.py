@@ -13,17 +13,21 @@ from transformer.io import read_json, write_text
 @PARAMS
 @click.option("--scores", required=True, type=click.Path(path_type=Path), help="the score stage's metrics JSON")
 @click.option("--signatures", required=True, type=click.Path(path_type=Path), help="the score stage's sacreBLEU signatures")
+@click.option("--evaluation", required=True, type=click.Path(path_type=Path),
+              help="the score stage's JSON naming the MLflow run of these scores")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the model that translated")
 @click.option("--timings", required=True, type=click.Path(path_type=Path), help="directory of the stages' --timing files")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="the report; other sections are kept")
-@click.option("--track/--no-track", default=True, show_default=True, help="log this section into the training's MLflow run")
+@click.option("--track/--no-track", default=True, show_default=True, help="log this section into that evaluation's MLflow run")
 @stage
-def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, timings: Path, out: Path, track: bool) -> None:
+def main(params_path: Path, scores: Path, signatures: Path, evaluation: Path, model_path: Path, timings: Path,
+         out: Path, track: bool) -> None:
     from transformer import checkpoints, report
     from transformer.system import describe_model, hardware
     from transformer.tracking import git_commit
 
     params = load_params(params_path)
+    run_id = read_json(evaluation)["mlflow_run_id"] if track else None  # read before anything is written
     d = params.data
     model = checkpoints.load(model_path)
     scored = read_json(scores)
@@ -35,9 +39,10 @@ def main(params_path: Path, scores: Path, signatures: Path, model_path: Path, ti
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))
     if track:
-        from transformer.tracking import log_to_training_run
+        from transformer.tracking import log_to_run
 
-        log_to_training_run(model.get("mlflow_run_id"), texts={"reports/reproduction.md": body})
+        # the section holds one evaluation's scores (its beam, alpha), so not the training's run
+        log_to_run(run_id, texts={"reports/reproduction.md": body})
     click.echo(f"{out}: section {key} written", err=True)
 
 

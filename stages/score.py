@@ -1,5 +1,5 @@
 """Stage score: every decoded test set against its reference; metrics, a Markdown table, and an MLflow
-run of this evaluation nested under the training's."""
+run of this evaluation nested under the training's, whose id the report stage logs its section into."""
 
 from pathlib import Path
 
@@ -18,9 +18,12 @@ from transformer.io import write_json, write_text
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="scores JSON (DVC metrics)")
 @click.option("--signatures", "signatures_path", required=True, type=click.Path(path_type=Path), help="JSON sacreBLEU signature per test set and metric")
 @click.option("--table", required=True, type=click.Path(path_type=Path), help="scores Markdown")
+@click.option("--evaluation", required=True, type=click.Path(path_type=Path),
+              help='JSON {"mlflow_run_id": this evaluation\'s run, null when untracked}')
 @click.option("--track/--no-track", default=True, show_default=True, help="log an MLflow run of its own, nested under the training's")
 @stage
-def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, signatures_path: Path, table: Path, track: bool) -> None:
+def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, signatures_path: Path,
+         table: Path, evaluation: Path, track: bool) -> None:
     from transformer import checkpoints
     from transformer.score import markdown_report, score_files, signatures, values
     from transformer.system import describe_model, hardware
@@ -37,13 +40,15 @@ def main(params_path: Path, translations: Path, references: Path, model_path: Pa
     write_text(table, markdown_report(scores, meta))
     for t, v in scored.items():
         click.echo(f"{t}: " + ", ".join(f"{k} {x}" for k, x in v.items()), err=True)
-    if track and model.get("mlflow_run_id"):
-        _log_evaluation(params, model, scored, translations, references, table)
+    tracked = track and model.get("mlflow_run_id")
+    run_id = _log_evaluation(params, model, scored, translations, references, table) if tracked else None
+    write_json(evaluation, {"mlflow_run_id": run_id})
 
 
 def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path,
-                    table: Path) -> None:
-    """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files."""
+                    table: Path) -> str:
+    """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files.
+    Returns its id."""
     from transformer.config import flatten
     from transformer.tracking import log_evaluation
 
@@ -52,9 +57,9 @@ def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], tr
     inputs = {f"{d.corpus}/{split}.{lang}": (references / f"{split}.{lang}", context)
               for split, context in contexts.items() for lang in (d.src_lang, d.tgt_lang)}
     run_params = {k: v for k, v in flatten(params).items() if k.startswith(("decode.", "average."))}
-    log_evaluation(model["mlflow_run_id"], f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}",
-                   run_params, {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()}, model["step"], inputs,
-                   {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]})
+    return log_evaluation(model["mlflow_run_id"], f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}",
+                          run_params, {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()}, model["step"],
+                          inputs, {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]})
 
 
 if __name__ == "__main__":

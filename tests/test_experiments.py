@@ -90,6 +90,28 @@ def _history(repo: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
 
+def _artifacts(repo: Path, run_id: str, directory: str) -> dict[str, str]:
+    """path -> text of every file a run holds under `directory` of its artifacts."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    with tempfile.TemporaryDirectory() as d:
+        return {a.path: Path(client.download_artifacts(run_id, a.path, d)).read_text(encoding="utf-8")
+                for a in client.list_artifacts(run_id, directory) if not a.is_dir}
+
+
+def _assert_report_section(repo: Path, run, exp: dict) -> None:
+    """The evaluation's run holds the report section of its own scores and decoding."""
+    reports = _artifacts(repo, run.info.run_id, "reports")
+    assert "reports/reproduction.md" in reports, sorted(reports)
+    section = reports["reports/reproduction.md"]
+    beam, alpha = (exp["params"]["decode"][k] for k in ("beam", "alpha"))
+    assert f"| decoding | beam {beam}, α {alpha}," in section
+    assert f"| toy | de→en | test2016 | {exp['scores']['test2016']['bleu']} |" in section  # the headline row
+
+
 def _assert_evaluation_run(run, training_run_id: str, exp: dict, param: str, value) -> None:
     """An evaluation's own run: nested under the training's, with the experiment's param, name and scores."""
     assert run.data.tags["mlflow.parentRunId"] == training_run_id
@@ -149,6 +171,10 @@ def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_tra
     _assert_evaluation_run(evaluation, training, exp, "decode.beam", 1)
     assert _history(repo, training) == history  # no score lands in the training's curves
     assert not [k for k in after[training].data.params if k.startswith("decode.")]
+    _assert_report_section(repo, evaluation, exp)
+    assert "reports/reproduction.md" not in _artifacts(repo, training, "reports")  # no evaluation's section
+    (first,) = [r for r in before.values() if r.data.tags.get("mlflow.parentRunId") == training]
+    assert "| decoding | beam 2," in _artifacts(repo, first.info.run_id, "reports")["reports/reproduction.md"]
 
     inputs = {d.dataset.name: d for d in evaluation.inputs.dataset_inputs}
     assert set(inputs) == {f"toy/{split}.{lang}" for split in ("train", "val", "test2016") for lang in ("de", "en")}
@@ -175,6 +201,7 @@ def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and
         assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
         (evaluation,) = [r for r in new if r.data.params["decode.beam"] == str(beam)]
         _assert_evaluation_run(evaluation, _training_run_id(before), exp, "decode.beam", beam)
+        _assert_report_section(repo, evaluation, exp)
 
 
 def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):

@@ -40,11 +40,12 @@ def _commands() -> dict[str, list[str]]:
         "decode": ["decode.py", *p, "--model", "model/model.pt", "--vocab", "vocab", "--source", "tok/val.de",
                    "--out", "translations/val.txt", "--report", "decode.json"],
         "score": ["score.py", *p, "--translations", "translations", "--references", "raw", "--model", "model/model.pt",
-                  "--out", "scores.json", "--signatures", "signatures.json", "--table", "scores.md", "--no-track"],
+                  "--out", "scores.json", "--signatures", "signatures.json", "--table", "scores.md",
+                  "--evaluation", "evaluation.json", "--no-track"],
         "figures": ["figures.py", *p, "--model", "model/model.pt", "--source", "tok/val.de", "--steps", "reports/train_steps.tsv",
                     "--epochs", "reports/train_epochs.tsv", "--out", "figures", "--no-track"],
-        "report": ["report.py", *p, "--scores", "scores.json", "--signatures", "signatures.json", "--model", "model/model.pt",
-                   "--timings", "timings", "--out", "reproduction.md", "--no-track"],
+        "report": ["report.py", *p, "--scores", "scores.json", "--signatures", "signatures.json", "--evaluation", "evaluation.json",
+                   "--model", "model/model.pt", "--timings", "timings", "--out", "reproduction.md", "--no-track"],
     }
 
 

@@ -83,9 +83,10 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert evaluation.data.metrics["test2016_bleu"] == scores["test2016"]["bleu"]
     assert evaluation.data.params["decode.beam"] == "2"
     assert run_.data.tags["direction"] == "de-en"
-    assert {"model", "reports", "vocab", "checkpoints"} <= {a.path for a in client.list_artifacts(run_.info.run_id)}
-    assert "reproduction.md" in {a.path.split("/")[-1] for a in client.list_artifacts(run_.info.run_id, "reports")}
-    assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
+    trained = {a.path for a in client.list_artifacts(run_.info.run_id)}
+    assert {"model", "vocab", "checkpoints"} <= trained and "reports" not in trained  # the report is the evaluation's
+    assert {"translations/test2016.txt", "reports/scores.md", "reports/reproduction.md"} <= \
+        {a.path for d in ("translations", "reports") for a in client.list_artifacts(evaluation.info.run_id, d)}
     (version,) = client.search_model_versions("name='transformer-multi30k-de-en'")  # the export stage registered it
     assert version.run_id == run_.info.run_id
 

@@ -85,17 +85,21 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
     assert _client(store).get_run(training.run_id).data.metrics == {}  # the training's run is left as it was
 
 
-def test_a_later_stage_adds_its_files_to_the_training_run_and_nothing_when_untracked(tracking, store, tmp_path):
+def test_a_later_stage_adds_its_files_to_a_finished_run_and_nothing_when_untracked(tracking, store, tmp_path):
     training = tracking.Tracker(EXPERIMENT)
     training.end()
+    evaluation = tracking.Tracker("", parent_run_id=training.run_id)
+    evaluation.end()
     model = tmp_path / "model.pt"
     model.write_bytes(b"weights")
-    tracking.log_to_training_run(training.run_id, {"model": [model]}, {"reports/reproduction.md": "# toy\n"})
+    tracking.log_to_run(training.run_id, {"model": [model]})
+    tracking.log_to_run(evaluation.run_id, texts={"reports/reproduction.md": "# toy\n"})
     client = _client(store)
+    assert [a.path for a in client.list_artifacts(training.run_id)] == ["model"]
     assert [a.path for a in client.list_artifacts(training.run_id, "model")] == ["model/model.pt"]
-    assert [a.path for a in client.list_artifacts(training.run_id, "reports")] == ["reports/reproduction.md"]
-    assert client.get_run(training.run_id).info.status == "FINISHED"
-    tracking.log_to_training_run(None, {"model": [tmp_path / "absent.pt"]})  # trained untracked: nothing is read
+    assert [a.path for a in client.list_artifacts(evaluation.run_id, "reports")] == ["reports/reproduction.md"]
+    assert {client.get_run(r.run_id).info.status for r in (training, evaluation)} == {"FINISHED"}
+    tracking.log_to_run(None, {"model": [tmp_path / "absent.pt"]})  # trained untracked: nothing is read
 
 
 def test_runs_table_url_names_the_recipes_experiment(tracking, store, tmp_path):

@@ -1,5 +1,5 @@
 """MLflow tracking: a run per training, which the stages after it add their files to, and a run per
-evaluation (decode params and scores) nested under it. mlflow is imported lazily."""
+evaluation (decode params, scores and the report section) nested under it. mlflow is imported lazily."""
 
 from __future__ import annotations
 
@@ -178,11 +178,11 @@ def run_name(what: str) -> str:
     return f"{what} · {exp}" if exp else what
 
 
-def log_to_training_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = None,
-                        texts: dict[str, str] | None = None) -> None:
-    """A later stage's files into the MLflow run of the training that made the model (`run_id`, from
-    the model file; nothing when that training was not tracked). artifacts: {directory: files};
-    texts: {artifact file: text}."""
+def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = None,
+               texts: dict[str, str] | None = None) -> None:
+    """A later stage's files into a finished run: the training's (its id from the model file) or an
+    evaluation's (its id from the score stage's --evaluation file); nothing when run_id is None, as it is
+    when that run was not tracked. artifacts: {directory: files}; texts: {artifact file: text}."""
     if not run_id:
         return
     tracker = Tracker.attach(run_id)

@@ -18,7 +18,7 @@ repro: $(VENV)/.installed
 	dvc repro
 
 test: $(VENV)/.installed
-	python -m pytest -q
+	python -m pytest -q -n auto --dist loadfile
 
 # The runs table of params.yaml's experiment: a run per training, its evaluations nested under it.
 UI_HOST ?= 127.0.0.1

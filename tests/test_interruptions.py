@@ -47,8 +47,12 @@ def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tm
     from transformer.tokenize import Tokenizer
 
     source = tmp_path / "source.de"
-    source.write_text("\n".join(Tokenizer("de").pipe(p[0] for p in toy_pairs(1000, seed=7))) + "\n")
-    slow = tmp_path / "slow.yaml"  # a few sentences a batch: hundreds of batches, seconds of decoding
+    # The kill follows the progress bar's first count (it redraws once a second), and decode writes only after
+    # its last sentence: with 1,000 sentences an idle machine decoded the rest before the kill arrived and was
+    # killed inside the write. 5,000 sentences leave seconds between that first count and the write.
+    total = 5000
+    source.write_text("\n".join(Tokenizer("de").pipe(p[0] for p in toy_pairs(total, seed=7))) + "\n")
+    slow = tmp_path / "slow.yaml"  # a few sentences a batch: over a thousand batches
     slow.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 2, "decode.batch_tokens": 40})))
     out = tmp_path / "translations" / "test.txt"
     out.parent.mkdir()
@@ -59,8 +63,8 @@ def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tm
                 str(vocab_dir), "--source", str(source), "--out", str(out), "--report", str(tmp_path / "speed.json")]
 
     proc = subprocess.Popen(decode(slow), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    done = _sentences_done(proc, total=1000)  # the progress bar's first count past 0
-    assert done is not None and 0 < done < 1000, "decoding was never seen midway"
+    done = _sentences_done(proc, total=total)  # the progress bar's first count past 0
+    assert done is not None and 0 < done < total // 2, f"decoding was not seen in its first half ({done} of {total})"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "decode finished before the kill"
@@ -69,7 +73,7 @@ def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tm
 
     run(decode(tmp_path / "params.yaml"), ROOT)  # larger batches, the same translations
     lines = out.read_text().splitlines()
-    assert len(lines) == 1000 and all(lines)
+    assert len(lines) == total and all(lines)
     assert not list(out.parent.glob(".*.tmp")), "temporary files are cleaned up"
 
 

@@ -9,6 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,6 +71,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_http(url: str, process: subprocess.Popen, log: Callable[[], str], seconds: float = 240) -> None:
+    """Polls `url` until it answers 200. Fails at once, with the tail of `log()`, if `process` exits, and
+    after `seconds`: a hang guard, since a server imports slowly on a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        assert process.poll() is None, f"{process.args[0]} exited {process.returncode}:\n{log()[-3000:]}"
+        assert time.monotonic() < deadline, f"{url} did not answer within {seconds} s"
+        time.sleep(0.2)
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,

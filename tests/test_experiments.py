@@ -10,8 +10,6 @@ import shutil
 import signal
 import subprocess
 import tarfile
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_pairs
+from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_pairs, wait_for_http
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -248,17 +246,7 @@ def mlflow_server(tmp_path):
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
         env=os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
     try:
-        deadline = time.monotonic() + 240  # mlflow imports slowly on a loaded machine
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not answer /health in 240 s"
-            time.sleep(1)
+        wait_for_http(f"{uri}/health", server, lambda: (tmp_path / "mlflow-server.log").read_text())
         yield uri, tmp_path / "server-artifacts"
     finally:
         log.close()

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, write_toy_corpus
+from conftest import BIN, ROOT, free_port, run, tiny_params, wait_for_http, write_toy_corpus
 
 STAGES = ROOT / "stages"
 
@@ -206,7 +205,7 @@ class _DyingServer:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory,
             env=os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
         try:
-            self._wait_healthy()
+            wait_for_http(f"{self.upstream}/health", self.process, lambda: (directory / "mlflow-server.log").read_text())
         except BaseException:
             self.kill()
             raise
@@ -215,16 +214,6 @@ class _DyingServer:
         self.uri = f"http://127.0.0.1:{self.proxy.server_port}"
         threading.Thread(target=self.proxy.serve_forever, daemon=True).start()
 
-    def _wait_healthy(self, seconds: float = 240) -> None:
-        deadline = time.monotonic() + seconds  # mlflow imports slowly on a loaded machine
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.upstream}/health", timeout=2):
-                    return
-            except (urllib.error.URLError, OSError):
-                assert self.process.poll() is None, "mlflow server exited"
-                assert time.monotonic() < deadline, f"mlflow server did not answer /health in {seconds} s"
-                time.sleep(0.5)
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run
+from conftest import BIN, ROOT, free_port, run, wait_for_http
 
 from transformer import checkpoints
 from transformer.config import load_params
@@ -82,22 +81,6 @@ def _post(port: int, body: bytes) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _wait_until_ready(server: subprocess.Popen, port: int, deadline_s: float = 240) -> None:
-    """Polls /ping until the server answers 200; fails at once if the server exits."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"mlflow models serve exited {server.returncode}:\n{server.stdout.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"mlflow models serve did not answer /ping within {deadline_s} s")
-
-
 @pytest.mark.slow
 def test_served_model_answers_with_the_clis_translations_and_400_for_bad_requests(pyfunc_dir, model_and_vocab, tmp_path):
     port = free_port()
@@ -106,7 +89,7 @@ def test_served_model_answers_with_the_clis_translations_and_400_for_bad_request
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
-        _wait_until_ready(server, port)
+        wait_for_http(f"http://127.0.0.1:{port}/ping", server, lambda: server.stdout.read())
         status, body = _post(port, json.dumps({"inputs": SENTENCES}).encode())
         cli = run([str(BIN / "transformer"), "translate", "--model", str(model_and_vocab[0])], tmp_path,
                   input_text="\n".join(SENTENCES) + "\n")

@@ -33,7 +33,7 @@ def test_output_shapes():
     assert model(src, tgt).shape == (3, 5, 16)
     assert model.generator(model(src, tgt)).shape == (3, 5, V_TGT)
     state = model.start(src)
-    assert state.memory.shape == (3, 7, 16)
+    assert [c["k"].shape for c in state.sources] == [(3, 2, 7, 8)]  # (B, h, S, d_k), one decoder layer
     assert model.step(state, torch.full((3,), BOS)).shape == (3, V_TGT)
 
 
@@ -63,6 +63,26 @@ def test_incremental_state_follows_row_selection():
         state = state.select(order)
         model.step(state, tgt_in[order, 2])
         last = model.step(state, tgt_in[order, 3])
+    torch.testing.assert_close(last, full[order, 3], atol=1e-5, rtol=0)
+
+
+def test_a_beams_reordering_moves_the_prefix_and_leaves_the_source_side_in_place():
+    model = _model()
+    src = _tokens(2, 5, V_SRC, 7)
+    tgt_in = torch.cat([torch.full((4, 1), BOS), _tokens(4, 3, V_TGT, 8)], 1)  # 2 sentences x beam 2
+    with torch.no_grad():
+        full = _full_log_probs(model, src.repeat_interleave(2, 0), tgt_in)
+        state = model.start(src, beam=2)
+        model.step(state, tgt_in[:, 0])
+        model.step(state, tgt_in[:, 1])
+        order = torch.tensor([1, 1, 3, 2])  # each hypothesis stays with its sentence
+        reordered = state.select(order)
+        assert reordered.sources[0]["k"] is state.sources[0]["k"]
+        assert reordered.targets[0]["k"] is not state.targets[0]["k"]
+        model.step(reordered, tgt_in[order, 2])
+        last = model.step(reordered, tgt_in[order, 3])
+        first_left = state.select(torch.tensor([2, 3]))  # sentence 0 finished
+        torch.testing.assert_close(first_left.sources[0]["k"], state.sources[0]["k"][2:], atol=0, rtol=0)
     torch.testing.assert_close(last, full[order, 3], atol=1e-5, rtol=0)
 
 

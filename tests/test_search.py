@@ -35,9 +35,10 @@ class ScriptedDecoder:
         self.scripts = scripts
         self.calls = 0
 
-    def start(self, src: torch.Tensor) -> ScriptedState:
+    def start(self, src: torch.Tensor, beam: int = 1) -> ScriptedState:
         assert src.size(0) == len(self.scripts)
-        return ScriptedState(list(range(src.size(0))), [() for _ in range(src.size(0))])
+        sentences = [s for s in range(src.size(0)) for _ in range(beam)]
+        return ScriptedState(sentences, [() for _ in sentences])
 
     def step(self, state: ScriptedState, last: torch.Tensor) -> torch.Tensor:
         self.calls += 1

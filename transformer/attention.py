@@ -27,8 +27,9 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
 class MultiHeadAttention(nn.Module):
     """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels).
 
-    Self-attention projects Q, K, V in one matmul; source attention projects K, V of the
-    memory once per sentence and, when decoding incrementally, keeps them in `cache`.
+    Self-attention projects Q, K, V in one matmul and, when decoding incrementally, appends
+    each step's K, V to `cache`; source attention then reads the memory's K, V from its `cache`
+    (memory_heads), projected once per sentence.
     With a `packing` (of x) or a `memory_packing`, that input comes packed, (n, d_model):
     its projections run on the real tokens and are laid out per sentence to attend.
     `dropout` drops attention weights in training (the Annotated Transformer's; the paper has none)."""
@@ -60,14 +61,17 @@ class MultiHeadAttention(nn.Module):
                 cache["k"], cache["v"] = k, v
         else:
             (q,) = self._heads(self.q(x), 1, packing)
-            if cache is not None and "k" in cache:
+            if cache is not None:  # incremental decoding: the memory's, from memory_heads
                 k, v = cache["k"], cache["v"]
             else:
                 k, v = self._heads(self.kv(memory), 2, memory_packing)
-                if cache is not None:
-                    cache["k"], cache["v"] = k, v
         y = self._attend(q, k, v, mask, causal).transpose(1, 2).flatten(2)  # (B, T, d_model)
         return self.out(y if packing is None else packing.pack(y))  # like x
+
+    def memory_heads(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source attention's keys and values of `memory` (B, S, d_model), (B, h, S, d_k) each:
+        incremental decoding projects them once, before its first step."""
+        return self._heads(self.kv(memory), 2, None)
 
     def _heads(self, projected: torch.Tensor, n: int, packing: Packing | None) -> tuple[torch.Tensor, ...]:
         if packing is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +13,33 @@ from torch import nn
 from transformer import checkpoints
 from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.io import DataError
-from transformer.layers import Decoder, DecoderLayer, Encoder, EncoderLayer
+from transformer.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
 from transformer.packing import Packing
 
 
 @dataclass
 class DecodeState:
-    """What incremental decoding carries from one step to the next, per sentence (or beam)."""
+    """What incremental decoding carries from one step to the next. Rows come in blocks of `beam`
+    that decode one sentence (a beam's hypotheses): what depends on the source alone, its mask and
+    source attention's keys and values, is the same in every row of a block."""
 
-    memory: torch.Tensor  # (B, S, d_model)
     src_mask: torch.Tensor  # (B, 1, 1, S)
-    caches: list[tuple[dict, dict]]  # per decoder layer: (self-attention, source-attention) K/V
+    targets: list[Cache]  # per decoder layer: self-attention keys and values of the prefix, (B, h, T, d_k)
+    sources: list[Cache]  # per decoder layer: source attention's keys and values of the memory, (B, h, S, d_k)
+    beam: int = 1
     step: int = 0
 
     def select(self, index: torch.Tensor) -> DecodeState:
-        """Keeps (and reorders) the rows in `index`: beam reordering and dropping finished sentences."""
-        caches = [tuple({k: v.index_select(0, index) for k, v in c.items()} for c in pair) for pair in self.caches]
-        return DecodeState(self.memory.index_select(0, index), self.src_mask.index_select(0, index), caches, self.step)
+        """Keeps (and reorders) the rows in `index`: beam reordering and dropping finished sentences.
+        Each block of `beam` rows of the result must come from one block of this state."""
+        targets = [{k: v.index_select(0, index) for k, v in c.items()} for c in self.targets]
+        src_mask, sources = self.src_mask, self.sources
+        blocks = torch.arange(len(index), device=index.device) // self.beam
+        if len(index) != len(src_mask) or not bool((index // self.beam == blocks).all()):
+            # Sentences left or moved; a beam's reordering alone leaves the source side as it is.
+            src_mask = src_mask.index_select(0, index)
+            sources = [{k: v.index_select(0, index) for k, v in c.items()} for c in sources]
+        return DecodeState(src_mask, targets, sources, self.beam, self.step)
 
 
 class Transformer(nn.Module):
@@ -75,14 +85,21 @@ class Transformer(nn.Module):
         x = self.decode(tgt_in, memory, src_mask, packing=tgt_packing, memory_packing=src_packing)
         return x if tgt_packing is None else tgt_packing.unpack(x)
 
-    def start(self, src: torch.Tensor) -> DecodeState:
+    def start(self, src: torch.Tensor, beam: int = 1) -> DecodeState:
+        """Encodes src and projects source attention's keys and values once per sentence;
+        `beam` > 1 gives each sentence that many consecutive rows."""
         src_mask = self.src_mask(src)
-        caches = [({}, {}) for _ in self.decoder.layers]
-        return DecodeState(self.encode(src, src_mask), src_mask, caches)
+        memory = self.encode(src, src_mask)
+        sources = [dict(zip("kv", layer.src_attn.memory_heads(memory))) for layer in self.decoder.layers]
+        state = DecodeState(src_mask, [{} for _ in self.decoder.layers], sources)
+        if beam == 1:
+            return state
+        return replace(state.select(torch.arange(len(src), device=src.device).repeat_interleave(beam)), beam=beam)
 
     def step(self, state: DecodeState, last: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the next token (B, V), given the previous one (B,); updates `state`."""
-        x = self.decode(last[:, None], state.memory, state.src_mask, state.caches, start=state.step)
+        caches = list(zip(state.targets, state.sources))
+        x = self.decode(last[:, None], None, state.src_mask, caches, start=state.step)
         state.step += 1
         return torch.log_softmax(self.generator(x[:, -1]).float(), dim=-1)
 

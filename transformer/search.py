@@ -1,7 +1,8 @@
 """Decoding (section 6.1): greedy, sampling and batched beam search with cached keys and values.
 
-All drive any model with `start(src) -> state`, `step(state, last) -> log_probs` and
-`state.select(index)`, so tests can script the probabilities by hand."""
+All drive any model with `start(src, beam) -> state` (beam consecutive rows per sentence),
+`step(state, last) -> log_probs` and `state.select(index)`, so tests can script the
+probabilities by hand."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _beam(model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tens
     the K best others on. A sentence is done with K finished hypotheses or at its max
     length. Returns each sentence's finished (log P / lp(length), log P, tokens), in finishing order."""
     B, K, device = src.size(0), beam, src.device
-    state = model.start(src).select(torch.arange(B, device=device).repeat_interleave(K))  # encode once, K copies
+    state = model.start(src, beam=K)  # encoded once, K rows per sentence
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0  # the K copies start identical: expand only the first
     tokens = torch.full((B * K, 1), bos, dtype=torch.long, device=device)

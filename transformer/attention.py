@@ -64,14 +64,14 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:  # incremental decoding: the memory's, from memory_heads
                 k, v = cache["k"], cache["v"]
             else:
-                k, v = self._heads(self.kv(memory), 2, memory_packing)
+                k, v = self.memory_heads(memory, memory_packing)
         y = self._attend(q, k, v, mask, causal).transpose(1, 2).flatten(2)  # (B, T, d_model)
         return self.out(y if packing is None else packing.pack(y))  # like x
 
-    def memory_heads(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def memory_heads(self, memory: torch.Tensor, packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Source attention's keys and values of `memory` (B, S, d_model), (B, h, S, d_k) each:
         incremental decoding projects them once, before its first step."""
-        return self._heads(self.kv(memory), 2, None)
+        return self._heads(self.kv(memory), 2, packing)
 
     def _heads(self, projected: torch.Tensor, n: int, packing: Packing | None) -> tuple[torch.Tensor, ...]:
         if packing is not None:

@@ -32,14 +32,18 @@ class DecodeState:
     def select(self, index: torch.Tensor) -> DecodeState:
         """Keeps (and reorders) the rows in `index`: beam reordering and dropping finished sentences.
         Each block of `beam` rows of the result must come from one block of this state."""
-        targets = [{k: v.index_select(0, index) for k, v in c.items()} for c in self.targets]
+        targets = [_rows(c, index) for c in self.targets]
         src_mask, sources = self.src_mask, self.sources
         blocks = torch.arange(len(index), device=index.device) // self.beam
         if len(index) != len(src_mask) or not bool((index // self.beam == blocks).all()):
             # Sentences left or moved; a beam's reordering alone leaves the source side as it is.
             src_mask = src_mask.index_select(0, index)
-            sources = [{k: v.index_select(0, index) for k, v in c.items()} for c in sources]
+            sources = [_rows(c, index) for c in sources]
         return DecodeState(src_mask, targets, sources, self.beam, self.step)
+
+
+def _rows(cache: Cache, index: torch.Tensor) -> Cache:
+    return {k: v.index_select(0, index) for k, v in cache.items()}
 
 
 class Transformer(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from transformer.model import make_model
-from transformer.search import beam_search, greedy, length_penalty
+from transformer.search import Ensemble, beam_search, greedy, length_penalty
 
 BOS, EOS, PAD, A, B, C = range(6)
 V = 6
@@ -179,3 +179,36 @@ def test_batched_search_equals_one_sentence_at_a_time(beam):
     assert len({tuple(h) for h in batched}) > 1  # the sentences get different translations
     assert all(len(h) <= m for h, m in zip(batched, max_len.tolist()))
 
+
+
+# Members that disagree: the first prefers A A (0.6 x 0.4 ... as GREEDY_TRAP), the second B C strongly.
+B_FIRST = {(): {A: 0.1, B: 0.9}, (A,): {EOS: 1.0}, (B,): {C: 0.9, EOS: 0.1}, (B, C): {EOS: 1.0}}
+
+
+def test_an_ensemble_of_one_model_searches_as_the_model():
+    for beam in (1, 2):
+        alone = beam_search(ScriptedDecoder(GREEDY_TRAP), _src(1), beam, 0.0, _max_len(10), BOS, EOS)
+        assert beam_search(Ensemble([ScriptedDecoder(GREEDY_TRAP)]), _src(1), beam, 0.0, _max_len(10), BOS, EOS) == alone
+
+
+def test_an_ensemble_averages_its_members_probabilities():
+    # First token: A (0.6 + 0.1) / 2 = 0.35, B (0.4 + 0.9) / 2 = 0.65: greedy now takes B, then C.
+    ensemble = Ensemble([ScriptedDecoder(GREEDY_TRAP), ScriptedDecoder(B_FIRST)])
+    assert greedy(ensemble, _src(1), _max_len(10), BOS, EOS) == [[B, C]]
+    assert greedy(ScriptedDecoder(GREEDY_TRAP), _src(1), _max_len(10), BOS, EOS) == [[A, A]]
+    state = ensemble.start(_src(1))
+    log_probs = ensemble.step(state, torch.tensor([BOS]))
+    assert log_probs.exp().sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert log_probs[0, B].exp().item() == pytest.approx(0.65, abs=1e-3)
+
+
+def test_an_ensemble_of_identical_models_translates_as_one():
+    model, sentences = _random_model(), _sentences()
+    src = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True, padding_value=PAD)
+    max_len = torch.tensor([len(s) + 4 for s in sentences])
+    assert beam_search(Ensemble([model, model]), src, 3, 0.6, max_len, BOS, EOS) == beam_search(model, src, 3, 0.6, max_len, BOS, EOS)
+
+
+def test_an_ensemble_needs_a_model():
+    with pytest.raises(ValueError, match="at least one model"):
+        Ensemble([])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformer.config import load_params
 from transformer.io import DataError
 from transformer.model import make_model
 from transformer.translate import Translator, timed_translate
-from transformer.vocab import PAD, WordVocab
+from transformer.vocab import BOS, EOS, PAD, WordVocab
 
 SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
@@ -125,6 +126,57 @@ def test_weights_that_do_not_fit_the_config_are_refused(model_file, tmp_path):
         Translator(tmp_path / "bad.pt", device="cpu")
 
 
+def _other_model_file(model_file: Path, path: Path, tgt=None, seed: int = 1) -> Path:
+    """model_file's config and vocabularies (or `tgt` as the target one) with other weights."""
+    ckpt = checkpoints.load(model_file)
+    if tgt is not None:
+        ckpt["vocab"]["tgt"], ckpt["model_config"] = tgt.state(), ckpt["model_config"] | {"tgt_vocab": len(tgt)}
+    torch.manual_seed(seed)
+    ckpt["model"] = make_model(**ckpt["model_config"]).state_dict()
+    checkpoints.save(path, ckpt)
+    return path
+
+
+def test_a_file_ensembled_with_itself_translates_as_the_file(model_file):
+    from transformer.search import Ensemble
+
+    alone = Translator(model_file, device="cpu")
+    twice = Translator([model_file, model_file], device="cpu")
+    assert isinstance(twice.model, Ensemble) and len(twice.model.models) == 2
+    found, expected = (t.translate(SRC_LINES, return_scores=True, beam=3) for t in (twice, alone))
+    assert [text for text, _ in found] == [text for text, _ in expected]
+    assert [score for _, score in found] == pytest.approx([score for _, score in expected], abs=1e-4)
+
+
+def test_an_ensemble_scores_by_the_mean_of_its_members_probabilities(model_file, tmp_path):
+    from transformer.search import beam_search_nbest
+
+    other = _other_model_file(model_file, tmp_path / "other.pt")
+    members = [Translator(f, device="cpu").model for f in (model_file, other)]
+    ensemble = Translator([model_file, other], device="cpu")
+    src = torch.tensor([ensemble.src_vocab.encode(SRC_LINES[1]) + [EOS]])
+    best = beam_search_nbest(ensemble.model, src, beam=2, alpha=0.6, max_len=torch.tensor([6]), bos=BOS, eos=EOS, nbest=1)[0][0]
+    tokens = best.tokens + ([EOS] if len(best.tokens) < 6 else [])
+    per_member = []  # each member's log-probability of the ensemble's best hypothesis, token by token
+    for model in members:
+        state = model.start(src)
+        per_member.append(torch.stack([model.step(state, torch.tensor([last]))[0, t]
+                                       for last, t in zip([BOS] + tokens[:-1], tokens)]))
+    mean = torch.logsumexp(torch.stack(per_member), 0) - math.log(2)
+    assert best.log_prob == pytest.approx(float(mean.sum()), abs=1e-4)
+    assert all(abs(float(p.sum()) - best.log_prob) > 1e-3 for p in per_member)  # neither member alone
+
+
+def test_an_ensemble_member_with_another_vocabulary_is_refused(model_file, tmp_path):
+    other_tgt = WordVocab.build(TGT_LINES + ["a cat"], min_freq=1)
+    other = _other_model_file(model_file, tmp_path / "other.pt", tgt=other_tgt)
+    with pytest.raises(DataError, match="target vocabulary") as e:
+        Translator([model_file, other], device="cpu")
+    assert str(other) in str(e.value)
+    with pytest.raises(ValueError, match="no model file"):
+        Translator([], device="cpu")
+
+
 # `transformer translate` as a new user tries it: in-process (click's runner), with the model above.
 
 def _cli(model_file, *args, input=None):
@@ -175,6 +227,13 @@ def test_cli_empty_blank_emoji_and_cjk_lines_keep_their_places(model_file, tmp_p
     assert len(out) == 6 and out[-1] == "" and out[1] == out[2] == ""
     assert out[0] != ""  # the model's own words: an untrained model may end at once on unknown ones
     assert out[:5] == Translator(model_file, device="cpu").translate(["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], beam=2)
+
+
+def test_cli_model_given_twice_translates_as_an_ensemble(model_file, tmp_path):
+    other = _other_model_file(model_file, tmp_path / "other.pt")
+    result = _cli(model_file, "--model", str(other), input="ein Hund\nzwei Männer\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == Translator([model_file, other], device="cpu").translate(["ein Hund", "zwei Männer"], beam=2)
 
 
 def test_cli_long_source_is_bounded_and_warned_about(model_file):

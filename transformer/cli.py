@@ -18,8 +18,9 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path),
-              help="a model file (the average_checkpoints stage's output, or any checkpoint)")
+@click.option("--model", "model_paths", required=True, multiple=True, type=click.Path(path_type=Path),
+              help="a model file (the average_checkpoints stage's output, or any checkpoint); "
+                   "given more than once, the models translate as an ensemble")
 @click.option("--input", "input_file", type=click.File("rb"), default="-", help="raw UTF-8 text, one sentence a line (default: stdin)")
 @click.option("--beam", type=click.IntRange(min=1), help="beam size; 1 is greedy (default: the model's decode params)")
 @click.option("--alpha", type=click.FloatRange(min=0), help="length penalty (default: the model's decode params)")
@@ -34,7 +35,7 @@ def main() -> None:
               help="--sample: divides the log-probabilities (< 1: sharper)")
 @click.option("--seed", type=int, help="--sample: random seed; the same input and seed give the same output")
 @stage
-def translate(model_path: Path, input_file, beam: int | None, alpha: float | None, nbest: int, scores: bool,
+def translate(model_paths: tuple[Path, ...], input_file, beam: int | None, alpha: float | None, nbest: int, scores: bool,
               sample: bool, top_k: int, top_p: float, temperature: float, seed: int | None) -> None:
     """Translates raw text, one sentence per line, to stdout: one line per sentence, or with
     --nbest > 1 or --scores one JSON object per hypothesis:
@@ -44,7 +45,7 @@ def translate(model_path: Path, input_file, beam: int | None, alpha: float | Non
 
     name = getattr(input_file, "name", "<stdin>")
     lines = decode_lines(input_file.read(), name)
-    translator = Translator.load(model_path)
+    translator = Translator.load(model_paths)
     if not sample and nbest > (beam or translator.params["decode"]["beam"]):
         raise click.BadParameter(f"{nbest} exceeds the beam size; raise --beam", param_hint="--nbest")
     search = {"beam": beam, "alpha": alpha, "sample": sample, "top_k": top_k, "top_p": top_p,

@@ -6,7 +6,8 @@ probabilities by hand."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,31 @@ class Hypothesis:
 
     tokens: list[int]
     log_prob: float
+
+
+class Ensemble:
+    """Several models searching as one: the next token's probability is the mean of theirs.
+    They must share the vocabularies; each keeps its own decoding state."""
+
+    def __init__(self, models: Sequence):
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        self.models = list(models)
+
+    def start(self, src: torch.Tensor, beam: int = 1) -> EnsembleState:
+        return EnsembleState([m.start(src, beam=beam) for m in self.models])
+
+    def step(self, state: EnsembleState, last: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.stack([m.step(s, last) for m, s in zip(self.models, state.members)])  # (M, B, V)
+        return torch.logsumexp(log_probs, 0) - math.log(len(self.models))
+
+
+@dataclass
+class EnsembleState:
+    members: list  # each model's decoding state
+
+    def select(self, index: torch.Tensor) -> EnsembleState:
+        return EnsembleState([s.select(index) for s in self.members])
 
 
 def greedy(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torch
 
 from transformer.io import DataError
 from transformer.model import load_model
-from transformer.search import Hypothesis, beam_search_nbest
+from transformer.search import Ensemble, Hypothesis, beam_search_nbest
 from transformer.search import sample as draw_samples
 from transformer.tokenize import Tokenizer, detokenize
 from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
@@ -36,13 +36,27 @@ class LongSourceWarning(UserWarning):
 
 
 class Translator:
-    def __init__(self, model_path: Path | str, device: str | None = None):
+    """Translates with one model file, or with several as an ensemble (their next-token probabilities
+    averaged at every step of the search): checkpoints of one run, or runs trained on one vocabulary.
+    The first file's params give the tokenizer and the default decoding."""
+
+    def __init__(self, model_path: Path | str | Sequence[Path | str], device: str | None = None):
+        paths = [Path(model_path)] if isinstance(model_path, (str, Path)) else [Path(p) for p in model_path]
+        if not paths:
+            raise ValueError("no model file given")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, ckpt = load_model(model_path, self.device)
+        self.model, ckpt = load_model(paths[0], self.device)
         self.src_vocab, self.tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
         self.params = ckpt["params"]
-        self.path = Path(model_path)
+        self.path = paths[0]
         self.tokens_out = 0
+        if len(paths) > 1:
+            members = [self.model]
+            for path in paths[1:]:
+                model, other = load_model(path, self.device)
+                self.check_vocab(*(vocab_from_state(other["vocab"][side]) for side in ("src", "tgt")), path)
+                members.append(model)
+            self.model = Ensemble(members)
 
     def check_vocab(self, src_vocab, tgt_vocab, where: Path) -> None:
         """Refuses a vocabulary other than the one the model was trained with."""
@@ -53,8 +67,9 @@ class Translator:
                                 f"rebuild the vocabulary or retrain")
 
     @classmethod
-    def load(cls, model_path: Path | str, device: str | None = None) -> Translator:
-        """The model in `model_path` (averaged by the pipeline, or any checkpoint), ready to translate."""
+    def load(cls, model_path: Path | str | Sequence[Path | str], device: str | None = None) -> Translator:
+        """The model in `model_path` (averaged by the pipeline, or any checkpoint), or the ensemble of
+        several such files, ready to translate."""
         return cls(model_path, device)
 
     def translate(self, raw_lines: list[str], *, nbest: int = 1, return_scores: bool = False, **search) -> list:

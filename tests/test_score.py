@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -67,6 +68,37 @@ def test_score_files_scores_the_files(tmp_path):
     (tmp_path / "hyp.txt").write_text("the cat sat on the mat\n", encoding="utf-8")
     (tmp_path / "ref.en").write_text("the cat sat on the mat\n", encoding="utf-8")
     assert score_files(tmp_path / "hyp.txt", tmp_path / "ref.en", "en", ("bleu",))["bleu"] == 100.0
+
+
+def test_the_score_command_prints_the_stage_scores_as_json(tmp_path):
+    from click.testing import CliRunner
+
+    from transformer.cli import main
+
+    hyps, refs = ["The cat sat on the mat.", "A dog runs."], ["the cat sat on the mat .", "A dog ran."]
+    (tmp_path / "hyp.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    (tmp_path / "ref.en").write_text("".join(r + "\n" for r in refs), encoding="utf-8")
+    args = ["score", "--hyps", str(tmp_path / "hyp.txt"), "--refs", str(tmp_path / "ref.en"), "--lang", "en"]
+    result = CliRunner().invoke(main, args + ["--metric", "bleu", "--metric", "bleu_tok_lc"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed == score_lines(hyps, refs, "en", ("bleu", "bleu_tok_lc"))
+    assert printed["bleu_tok_lc"] > printed["bleu"]
+    assert set(json.loads(CliRunner().invoke(main, args).stdout)) == {
+        f"{m}{suffix}" for m in ("bleu", "bleu_tok_lc", "chrf", "ter") for suffix in ("", "_signature")}
+
+
+def test_the_score_command_refuses_files_of_different_lengths(tmp_path):
+    from click.testing import CliRunner
+
+    from transformer.cli import main
+
+    (tmp_path / "hyp.txt").write_text("a\nb\nc\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("a\nb\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["score", "--hyps", str(tmp_path / "hyp.txt"), "--refs", str(tmp_path / "ref.en"),
+                                       "--lang", "en"])
+    assert result.exit_code == 1
+    assert f"error: {tmp_path / 'hyp.txt'}: has 3 lines" in result.output
 
 
 def _scores() -> dict:

@@ -67,6 +67,21 @@ def translate(model_paths: tuple[Path, ...], input_file, beam: int | None, alpha
 
 
 @main.command()
+@click.option("--hyps", required=True, type=click.Path(path_type=Path), help="translations, one detokenized sentence a line")
+@click.option("--refs", required=True, type=click.Path(path_type=Path), help="references, line for line")
+@click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
+@click.option("--metric", "metrics", multiple=True, type=click.Choice(CHOICES["score.metrics"]),
+              default=CHOICES["score.metrics"], show_default=True, help="given once per metric")
+@stage
+def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
+    """Scores translations as the score stage does and prints one JSON object:
+    {<metric>: value, <metric>_signature: sacreBLEU's signature}."""
+    from transformer.score import score_files
+
+    click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))
+
+
+@main.command()
 @click.option("--format", "fmt", type=click.Choice(["ctranslate2"]), default="ctranslate2", show_default=True)
 @click.option("--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="model directory to write")

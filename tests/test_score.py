@@ -7,7 +7,9 @@ import math
 import re
 
 import pytest
+from click.testing import CliRunner
 
+from transformer.cli import main
 from transformer.io import DataError
 from transformer.score import markdown_report, score_files, score_lines
 
@@ -71,10 +73,6 @@ def test_score_files_scores_the_files(tmp_path):
 
 
 def test_the_score_command_prints_the_stage_scores_as_json(tmp_path):
-    from click.testing import CliRunner
-
-    from transformer.cli import main
-
     hyps, refs = ["The cat sat on the mat.", "A dog runs."], ["the cat sat on the mat .", "A dog ran."]
     (tmp_path / "hyp.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (tmp_path / "ref.en").write_text("".join(r + "\n" for r in refs), encoding="utf-8")
@@ -89,10 +87,6 @@ def test_the_score_command_prints_the_stage_scores_as_json(tmp_path):
 
 
 def test_the_score_command_refuses_files_of_different_lengths(tmp_path):
-    from click.testing import CliRunner
-
-    from transformer.cli import main
-
     (tmp_path / "hyp.txt").write_text("a\nb\nc\n", encoding="utf-8")
     (tmp_path / "ref.en").write_text("a\nb\n", encoding="utf-8")
     result = CliRunner().invoke(main, ["score", "--hyps", str(tmp_path / "hyp.txt"), "--refs", str(tmp_path / "ref.en"),

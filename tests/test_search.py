@@ -180,7 +180,6 @@ def test_batched_search_equals_one_sentence_at_a_time(beam):
     assert all(len(h) <= m for h, m in zip(batched, max_len.tolist()))
 
 
-
 # Members that disagree: the first prefers A A (0.6 x 0.4 ... as GREEDY_TRAP), the second B C strongly.
 B_FIRST = {(): {A: 0.1, B: 0.9}, (A,): {EOS: 1.0}, (B,): {C: 0.9, EOS: 0.1}, (B, C): {EOS: 1.0}}
 

@@ -15,7 +15,7 @@ from transformer.model import Transformer
 from transformer.schedule import rate
 from transformer.search import greedy
 from transformer.tokenize import JOINER
-from transformer.vocab import BOS, EOS, PAD, BpeVocab, Vocab, vocab_from_state
+from transformer.vocab import BOS, EOS, PAD, BpeVocab, Vocab, model_vocabs
 
 SENTENCES = 3  # the first non-empty sentences of the source file are drawn
 WARMUPS = (2000, 4000, 8000)  # schedules drawn beside the params' own, for comparison
@@ -97,7 +97,7 @@ def draw_figures(model: Transformer, ckpt: dict[str, Any], source: Path, steps_t
     import matplotlib
 
     matplotlib.use("Agg")
-    src_vocab, tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
+    src_vocab, tgt_vocab = model_vocabs(ckpt)
     lines = [line for line in read_lines(source) if line.strip()][:SENTENCES]
     if not lines:
         raise DataError(f"{source}: no sentence to draw attention for")

@@ -18,7 +18,7 @@ from transformer.model import load_model
 from transformer.search import Ensemble, Hypothesis, beam_search_nbest
 from transformer.search import sample as draw_samples
 from transformer.tokenize import Tokenizer, detokenize
-from transformer.vocab import BOS, EOS, PAD, fingerprint, vocab_from_state
+from transformer.vocab import BOS, EOS, PAD, fingerprint, model_vocabs
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Translator:
             raise ValueError("no model file given")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, ckpt = load_model(paths[0], self.device)
-        self.src_vocab, self.tgt_vocab = (vocab_from_state(ckpt["vocab"][side]) for side in ("src", "tgt"))
+        self.src_vocab, self.tgt_vocab = model_vocabs(ckpt)
         self.params = ckpt["params"]
         self.path = paths[0]
         self.tokens_out = 0
@@ -54,7 +54,7 @@ class Translator:
             members = [self.model]
             for path in paths[1:]:
                 model, other = load_model(path, self.device)
-                self.check_vocab(*(vocab_from_state(other["vocab"][side]) for side in ("src", "tgt")), path)
+                self.check_vocab(*model_vocabs(other), path)
                 members.append(model)
             self.model = Ensemble(members)
 

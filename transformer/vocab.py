@@ -187,6 +187,11 @@ def vocab_from_state(state: dict[str, Any]) -> Vocab:
     return BpeVocab(state["model"].numpy().tobytes())
 
 
+def model_vocabs(checkpoint: dict[str, Any]) -> tuple[Vocab, Vocab]:
+    """The source and target vocabularies a model file or checkpoint was trained with."""
+    return vocab_from_state(checkpoint["vocab"]["src"]), vocab_from_state(checkpoint["vocab"]["tgt"])
+
+
 def fingerprint(vocab: Vocab) -> str:
     if isinstance(vocab, WordVocab):
         data = "\n".join(vocab.itos).encode()

@@ -1,4 +1,5 @@
-"""Stage average_checkpoints: the mean of average.last_k checkpoints (the last, or the best on val BLEU), as one model file."""
+"""Stage average_checkpoints: the mean of average.last_k checkpoints (the last, or the best on val BLEU), as one
+model file; with train.members > 1, one such mean per member, in the same file."""
 
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from transformer.config import load_params
 @click.option("--track/--no-track", default=True, show_default=True, help="log the model to the training's MLflow run")
 @stage
 def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
-    p = load_params(params_path).average
-    model = checkpoints.average_checkpoints(ckpt_dir, p.last_k, p.select)
+    params = load_params(params_path)
+    p = params.average
+    model = checkpoints.average_members(ckpt_dir, params.train.member_seeds(), p.last_k, p.select)
     checkpoints.save(out, model)
-    click.echo(f"averaged {', '.join(model['averaged'])} into {out}", err=True)
+    for member in [model] + model.get("members", []):
+        click.echo(f"averaged {', '.join(member['averaged'])} into {out}", err=True)
     if track:
         from transformer.tracking import log_to_run
 

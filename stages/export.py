@@ -21,9 +21,14 @@ def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: boo
     from transformer.export import export_ctranslate2
 
     p = load_params(params_path).export
+    model = checkpoints.load(model_path)
     export_ctranslate2(model_path, out, p.quantization)
     click.echo(f"{model_path}: CTranslate2 model ({p.quantization}) in {out}", err=True)
-    run_id = checkpoints.load(model_path).get("mlflow_run_id")
+    if model.get("members"):
+        click.echo(f"{model_path}: an ensemble of {len(model['members']) + 1} models; CTranslate2 searches with one, so "
+                   f"{out} holds the first member's alone (seed {model['params']['train']['seed']}); the MLflow model "
+                   f"and transformer translate use them all", err=True)
+    run_id = model.get("mlflow_run_id")
     if track and run_id:
         from transformer.serving import log_model
 

@@ -1,4 +1,5 @@
-"""Stage train: launched by torchrun; resumes from its last checkpoint when params are unchanged."""
+"""Stage train: launched by torchrun; resumes from its last checkpoint when params are unchanged;
+trains train.members models, one after the other."""
 
 from pathlib import Path
 
@@ -24,14 +25,15 @@ from transformer.config import load_params
 def main(params_path: Path, vocab: Path, tokenized: Path | None, ckpt_dir: Path, steps: Path, epochs: Path,
          summary: Path, references: Path, track: bool) -> None:
     from transformer import tracking
-    from transformer.train import Outputs, train
+    from transformer.train import Outputs, train_members
 
     params = load_params(params_path)
     if track:
         tracking.check_reachable(tracking.tracking_uri())  # before any training work
     outputs = Outputs(ckpt_dir, steps, epochs, summary)
-    result = train(params, vocab, outputs, tracking.Tracker if track else None, tokenized, references)
-    click.echo(f"trained: {result}", err=True)
+    results = train_members(params, vocab, outputs, tracking.Tracker if track else None, tokenized, references)
+    for seed, result in zip(params.train.member_seeds(), results):
+        click.echo(f"trained (seed {seed}): {result}", err=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from conftest import BIN, ROOT, free_port, run, same_values, tiny_params, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.config import params_from_dict
+from transformer.errors import DataError
 from transformer.schedule import rate
 
 
@@ -452,3 +453,49 @@ def test_two_processes_stop_early_together(tmp_path, vocab_dir):
     result = run(_torchrun(1, 2) + train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
     assert "stopping early" in result.stderr
     assert [r["epoch"] for r in _validations(tmp_path)] == [1, 2, 3]
+
+
+def test_members_train_as_single_runs_of_their_seeds_and_a_new_member_keeps_the_trained_ones(tmp_path, vocab_dir):
+    """Member k is the single run of seed train.seed + k, bit for bit; raising train.members trains the new
+    members only; the model file holds them all and translates as the ensemble of its members' files."""
+    from transformer.translate import Translator
+
+    common = {"train.epochs": 2}
+    ens, alone = tmp_path / "ens", tmp_path / "alone"
+    run([sys.executable] + train_cmd(write_params(ens, **common), vocab_dir, ens), ROOT)
+    first = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(ens / "ckpt")]
+    result = run([sys.executable] + train_cmd(write_params(ens, **common, **{"train.members": 2}), vocab_dir, ens), ROOT)
+    assert "member 2 of 2: seed 2" in result.stderr
+    assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(ens / "ckpt")] == first
+    assert (ens / "ckpt" / "seed2" / "train_epochs.tsv").exists() and not (ens / "reports" / "seed2").exists()
+    run([sys.executable] + train_cmd(write_params(alone, **common, **{"train.seed": 2}), vocab_dir, alone), ROOT)
+    member = checkpoints.load(checkpoints.listed(ens / "ckpt" / "seed2")[-1])
+    single = checkpoints.load(checkpoints.listed(alone / "ckpt")[-1])
+    assert same_values(member["model"], single["model"]) and member["params"] == single["params"]
+    assert not same_values(member["model"], _final_weights(ens))
+
+    run([sys.executable, "stages/average_checkpoints.py", "--params", str(ens / "params.yaml"), "--checkpoints",
+         str(ens / "ckpt"), "--out", str(ens / "model.pt"), "--no-track"], ROOT)
+    model = checkpoints.load(ens / "model.pt")
+    assert [m["seed"] for m in model["members"]] == [2] and model["params"]["train"]["members"] == 2
+    assert model["train_time_s"] == pytest.approx(_final(ens)["train_time_s"] + member["train_time_s"])
+    for k, directory in enumerate((ens / "ckpt", ens / "ckpt" / "seed2")):
+        checkpoints.save(tmp_path / f"member{k}.pt", checkpoints.average_checkpoints(directory, 2))
+    lines = (vocab_dir.parent / "tok" / "val.de").read_text().splitlines()[:12]
+    assert (Translator(ens / "model.pt").translate_tokenized(lines)
+            == Translator([tmp_path / "member0.pt", tmp_path / "member1.pt"]).translate_tokenized(lines))
+
+
+def test_a_member_trained_with_other_params_is_refused_by_name(tmp_path, vocab_dir):
+    common = {"train.epochs": 1, "train.max_steps": 4, "average.last_k": 1}
+    run([sys.executable] + train_cmd(write_params(tmp_path, **common, **{"train.members": 2}), vocab_dir, tmp_path), ROOT)
+    stale = checkpoints.listed(tmp_path / "ckpt" / "seed2")[-1]
+    ckpt = checkpoints.load(stale, checkpoints.RESUME_KEYS)
+    ckpt["params"]["train"]["warmup"] += 1
+    checkpoints.save(stale, ckpt)
+    with pytest.raises(DataError, match=r"seed2: trained with other params than .*\(train\.warmup\)"):
+        checkpoints.average_members(tmp_path / "ckpt", [1, 2], 1)
+
+
+def _final(out: Path) -> dict:
+    return checkpoints.load(checkpoints.listed(out / "ckpt")[-1])

@@ -50,6 +50,12 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
     return checkpoint
 
 
+def member_dir(ckpt_dir: Path, k: int, seed: int) -> Path:
+    """Where member k of an ensemble trains: the first where a single model would, each further one
+    in seed<S>/ below it, so that adding members keeps the models already trained."""
+    return ckpt_dir if k == 0 else ckpt_dir / f"seed{seed}"
+
+
 def listed(ckpt_dir: Path | str) -> list[Path]:
     """Checkpoints in `ckpt_dir`, oldest first (by update step)."""
     found = [p for p in Path(ckpt_dir).glob("ckpt_*.pt") if PATTERN.match(p.name)]
@@ -152,3 +158,34 @@ def average_checkpoints(ckpt_dir: Path, last_k: int, select: str = "last") -> di
         "model": model, "averaged": [p.name for p in chosen], "step": last["step"],
         "mlflow_run_id": last.get("mlflow_run_id"), "train_time_s": last.get("train_time_s"),
     }
+
+
+def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str = "last") -> dict[str, Any]:
+    """The model file of the members trained with `seeds` (train.member_seeds()), each averaged as
+    average_checkpoints does: one model as it would be alone, or the first member's with the others
+    under "members" (their seed, weights, step, averaged files, training time and MLflow run)."""
+    first = average_checkpoints(ckpt_dir, last_k, select)
+    if len(seeds) == 1:
+        return first
+    members = []
+    for k, seed in enumerate(seeds[1:], 1):
+        where = member_dir(ckpt_dir, k, seed)
+        other = average_checkpoints(where, last_k, select)
+        expected, found = _recipe(first["params"], seed), _recipe(other["params"], seed)
+        if found != expected:
+            changed = next(f"{s}.{key}" for s in expected for key in expected[s] | found.get(s, {})
+                           if found.get(s, {}).get(key) != expected[s].get(key))
+            raise DataError(f"{where}: trained with other params than {ckpt_dir} ({changed}); rerun the train stage")
+        members.append({"seed": seed, "model": other["model"], "step": other["step"], "averaged": other["averaged"],
+                        "train_time_s": other["train_time_s"], "mlflow_run_id": other["mlflow_run_id"]})
+    times = [first["train_time_s"]] + [m["train_time_s"] for m in members]
+    params = first["params"] | {"train": first["params"]["train"] | {"members": len(seeds)}}
+    return first | {"members": members, "params": params,
+            "train_time_s": sum(times) if None not in times else None}
+
+
+def _recipe(params: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A member's params as they must be for the member of `seed` (train.members aside: a file of a
+    run from before ensembles lacks it)."""
+    train = {k: v for k, v in params["train"].items() if k != "members"} | {"seed": seed}
+    return params | {"train": train}

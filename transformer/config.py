@@ -58,6 +58,7 @@ class TrainConfig:
     nproc: int
     nnodes: int
     seed: int
+    members: int  # models trained, member k with seed + k, and searched as one ensemble; 1: a single model
     max_tokens: int
     accum: int
     epochs: int
@@ -74,6 +75,10 @@ class TrainConfig:
     max_steps: int
     eval_every: int  # updates between validations (loss and greedy BLEU) besides epoch ends; 0: epoch ends only
     patience: int  # stop after this many validations without a higher val BLEU; 0: never
+
+    def member_seeds(self) -> list[int]:
+        """The seeds of the models trained: member k's is seed + k."""
+        return [self.seed + k for k in range(self.members)]
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ CHOICES = {
 }
 POSITIVE = {
     "tokenize.max_len", "vocab.size", "vocab.min_freq", "model.N", "model.d_model", "model.d_ff",
-    "model.h", "train.nproc", "train.nnodes", "train.max_tokens", "train.accum", "train.epochs",
+    "model.h", "train.nproc", "train.nnodes", "train.members", "train.max_tokens", "train.accum", "train.epochs",
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
 NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",

@@ -23,7 +23,8 @@ LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use
 
 
 def export_ctranslate2(model_path: Path, out: Path, quantization: str = "none") -> None:
-    """Writes the CTranslate2 model directory `out` (atomically); quantization "none" keeps float32."""
+    """Writes the CTranslate2 model directory `out` (atomically); quantization "none" keeps float32.
+    CTranslate2 has no ensembles: of a file with train.members > 1, the first member is written."""
     import ctranslate2.converters
 
     if quantization not in QUANTIZATIONS:

@@ -130,12 +130,27 @@ def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Tr
     """The model a file holds, built from its model_config with its weights, in eval mode, and the
     checkpoint itself (vocabularies, params); weights that do not fit the config raise DataError."""
     checkpoint = checkpoints.load(path)
-    model = make_model(**check_model_config(checkpoint["model_config"], checkpoint["model"], str(path)))
+    return _built(checkpoint["model_config"], checkpoint["model"], str(path), device), checkpoint
+
+
+def load_members(path: Path | str, device: torch.device | str = "cpu") -> tuple[list[Transformer], dict[str, Any]]:
+    """Every model a file holds (an ensemble's members, in member order; else the one), and the file.
+    load_model gives an ensemble's first member alone."""
+    model, checkpoint = load_model(path, device)
+    members = checkpoint.get("members", [])
+    if not isinstance(members, list) or not all(isinstance(m, dict) and "model" in m for m in members):
+        raise DataError(f"{path}: 'members' is not a list of member weights")
+    return [model] + [_built(checkpoint["model_config"], m["model"], f"{path} (member seed {m.get('seed')})", device)
+                      for m in members], checkpoint
+
+
+def _built(config: Any, weights: dict[str, Any], source: str, device: torch.device | str) -> Transformer:
+    model = make_model(**check_model_config(config, weights, source))
     try:
-        model.load_state_dict(checkpoint["model"])
+        model.load_state_dict(weights)
     except RuntimeError as e:
-        raise DataError(f"{path}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
-    return model.to(device).eval(), checkpoint
+        raise DataError(f"{source}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
+    return model.to(device).eval()
 
 
 MAX_LAYERS = 64  # the N a model file may ask for; its sizes are bounded by the weights it holds

@@ -107,6 +107,8 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
                          + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
+            *([["ensemble", f"{t.members} models, seeds {', '.join(map(str, t.member_seeds()))}: their next-token "
+                            f"probabilities averaged in beam search"]] if t.members > 1 else []),
             ["averaged", _averaged(p.average.last_k, p.average.select)],
             ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
             ["training time", model["training time"]]]

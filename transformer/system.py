@@ -29,12 +29,14 @@ def hardware() -> str:
 def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
     """Parameter count, size, steps and training time of a model file. The count is the model's as
     built from its config, where a tied embedding is one matrix: the file's weights would count it
-    once per name (source, target, generator), since averaging gives each name its own tensor."""
+    once per name (source, target, generator), since averaging gives each name its own tensor.
+    Of an ensemble: one member's count, times the members; the training time of them all."""
     with torch.device("meta"):  # shapes only, no memory, no initialization work
         count = count_parameters(make_model(**ckpt["model_config"]))
     c = ckpt["model_config"]
-    train_time = ckpt.get("train_time_s")
+    train_time, members = ckpt.get("train_time_s"), ckpt.get("members", [])
     return {"model": f"N={c['N']}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
-            "parameters": f"{count / 1e6:.1f}M ({count:,})", "updates": ckpt.get("step"),
+            "parameters": f"{count / 1e6:.1f}M ({count:,})" + (f" × {len(members) + 1} members" if members else ""),
+            "updates": ckpt.get("step"),
             "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",
             "averaged": ", ".join(ckpt.get("averaged", [])) or "no"}

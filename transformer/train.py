@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -113,7 +114,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     model.to(env.device)
     fused = env.device.type in ("cuda", "cpu")  # one kernel updates every tensor
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
-    identity = {"params": {s: params.to_dict()[s] for s in TRAIN_SECTIONS}, "data": data_fingerprint(vocab_dir, "train")}
+    identity = {"params": _trained_by(params), "data": data_fingerprint(vocab_dir, "train")}
     progress = _resume(out.checkpoints, identity, model, optimizer, env)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
@@ -140,6 +141,23 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
             tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
     return summary
+
+
+def train_members(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,
+                  references: Path | None = None) -> list[dict[str, Any]]:
+    """Trains (or resumes) the train.members models in turn, member k exactly as a single run with
+    seed train.seed + k: the first in `out`, each further one in checkpoints.member_dir, its
+    reports beside its checkpoints. Their summaries, in member order."""
+    seeds = params.train.member_seeds()
+    summaries = []
+    for k, seed in enumerate(seeds):
+        member = dataclasses.replace(params, train=dataclasses.replace(params.train, seed=seed, members=1))
+        where = checkpoints.member_dir(out.checkpoints, k, seed)
+        outputs = out if k == 0 else Outputs(where, where / out.steps.name, where / out.epochs.name, where / out.summary.name)
+        if len(seeds) > 1:
+            print(f"member {k + 1} of {len(seeds)}: seed {seed}, in {where}", file=sys.stderr, flush=True)
+        summaries.append(train(member, vocab_dir, outputs, tracker_factory, tokenized, references))
+    return summaries
 
 
 def _training_split(params: Params, vocab_dir: Path, tokenized: Path | None, vocab) -> TrainingSplit:
@@ -178,6 +196,13 @@ def patience_spent(bleus: list[float], patience: int) -> bool:
     if not patience or len(bleus) <= patience:
         return False
     return max(bleus[-patience:]) <= max(bleus[:-patience])
+
+
+def _trained_by(params: Params) -> dict[str, dict[str, Any]]:
+    """The params a resumed run must share. Not train.members: training sees one member at a time,
+    so a run trained alone resumes, or stays finished, as the first member of an ensemble."""
+    sections = {s: params.to_dict()[s] for s in TRAIN_SECTIONS}
+    return sections | {"train": {k: v for k, v in sections["train"].items() if k != "members"}}
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:

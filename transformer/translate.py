@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from transformer.io import DataError
-from transformer.model import load_model
+from transformer.model import load_members
 from transformer.search import Ensemble, Hypothesis, beam_search_nbest
 from transformer.search import sample as draw_samples
 from transformer.tokenize import Tokenizer, detokenize
@@ -38,6 +38,7 @@ class LongSourceWarning(UserWarning):
 class Translator:
     """Translates with one model file, or with several as an ensemble (their next-token probabilities
     averaged at every step of the search): checkpoints of one run, or runs trained on one vocabulary.
+    A file of train.members > 1 is an ensemble by itself; its members join those of the other files.
     The first file's params give the tokenizer and the default decoding."""
 
     def __init__(self, model_path: Path | str | Sequence[Path | str], device: str | None = None):
@@ -45,18 +46,16 @@ class Translator:
         if not paths:
             raise ValueError("no model file given")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, ckpt = load_model(paths[0], self.device)
+        members, ckpt = load_members(paths[0], self.device)
         self.src_vocab, self.tgt_vocab = model_vocabs(ckpt)
         self.params = ckpt["params"]
         self.path = paths[0]
         self.tokens_out = 0
-        if len(paths) > 1:
-            members = [self.model]
-            for path in paths[1:]:
-                model, other = load_model(path, self.device)
-                self.check_vocab(*model_vocabs(other), path)
-                members.append(model)
-            self.model = Ensemble(members)
+        for path in paths[1:]:
+            more, other = load_members(path, self.device)
+            self.check_vocab(*model_vocabs(other), path)
+            members += more
+        self.model = members[0] if len(members) == 1 else Ensemble(members)
 
     def check_vocab(self, src_vocab, tgt_vocab, where: Path) -> None:
         """Refuses a vocabulary other than the one the model was trained with."""

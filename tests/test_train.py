@@ -491,6 +491,9 @@ def test_a_member_trained_with_other_params_is_refused_by_name(tmp_path, vocab_d
     run([sys.executable] + train_cmd(write_params(tmp_path, **common, **{"train.members": 2}), vocab_dir, tmp_path), ROOT)
     stale = checkpoints.listed(tmp_path / "ckpt" / "seed2")[-1]
     ckpt = checkpoints.load(stale, checkpoints.RESUME_KEYS)
+    ckpt["params"]["decode"]["alpha"] += 1  # decoding is not training: the ensemble decodes with the file's params
+    checkpoints.save(stale, ckpt)
+    assert [m["seed"] for m in checkpoints.average_members(tmp_path / "ckpt", [1, 2], 1)["members"]] == [2]
     ckpt["params"]["train"]["warmup"] += 1
     checkpoints.save(stale, ckpt)
     with pytest.raises(DataError, match=r"seed2: trained with other params than .*\(train\.warmup\)"):

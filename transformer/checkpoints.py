@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from transformer.config import TRAIN_SECTIONS
 from transformer.io import DataError, save_torch
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -185,7 +186,7 @@ def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str =
 
 
 def _recipe(params: dict[str, Any], seed: int) -> dict[str, Any]:
-    """A member's params as they must be for the member of `seed` (train.members aside: a file of a
-    run from before ensembles lacks it)."""
+    """The params a member's training depends on, as they must be for the member of `seed`
+    (train.members aside: a file of a run from before ensembles lacks it)."""
     train = {k: v for k, v in params["train"].items() if k != "members"} | {"seed": seed}
-    return params | {"train": train}
+    return {s: params[s] for s in TRAIN_SECTIONS} | {"train": train}

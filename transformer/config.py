@@ -133,6 +133,7 @@ class Params:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
+TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a trained model depends on: a resumable run must share them
 _SECTION_TYPES = typing.get_type_hints(Params)
 METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}  # score.metrics: name in reports
 

@@ -20,7 +20,7 @@ from torch import nn
 from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, TrainingSplit, token_batches, epoch_steps
-from transformer.config import Params, flatten
+from transformer.config import TRAIN_SECTIONS, Params, flatten
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import token_loss
@@ -30,7 +30,6 @@ from transformer.score import score_lines
 from transformer.translate import search_batches, to_text
 from transformer.vocab import EOS, PAD, load_vocabs, vocab_from_state
 
-TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a resumable run must share
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
 
 

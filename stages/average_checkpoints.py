@@ -21,8 +21,9 @@ def main(params_path: Path, ckpt_dir: Path, out: Path, track: bool) -> None:
     p = params.average
     model = checkpoints.average_members(ckpt_dir, params.train.member_seeds(), p.last_k, p.select)
     checkpoints.save(out, model)
-    for member in [model] + model.get("members", []):
-        click.echo(f"averaged {', '.join(member['averaged'])} into {out}", err=True)
+    for seed, member in zip(params.train.member_seeds(), [model] + model.get("members", [])):
+        of = f" of seed {seed}" if params.train.members > 1 else ""
+        click.echo(f"averaged {', '.join(member['averaged'])}{of} into {out}", err=True)
     if track:
         from transformer.tracking import log_to_run
 

@@ -141,3 +141,13 @@ def test_bench_measures_ours_against_ctranslate2_fp32_and_int8_in_one_run(tmp_pa
     assert all(r["tokens_per_s"] > 0 and r["sentences"] == 4 for r in rows)
     assert rows[0]["bleu"] == rows[1]["bleu"] and rows[0]["target_tokens"] == rows[1]["target_tokens"]  # greedy fp32: same output
     assert rows[0]["vs"] == "k" and rows[0]["ratio"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=1e-3)
+
+
+def test_export_of_an_ensemble_writes_its_first_member(tmp_path):
+    first = checkpoints.load(_model_file(tmp_path / "first.pt", "pre", seed=0))
+    other = checkpoints.load(_model_file(tmp_path / "other.pt", "pre", seed=1))
+    checkpoints.save(tmp_path / "ensemble.pt", first | {"members": [{"seed": 2, "model": other["model"]}]})
+    export_ctranslate2(tmp_path / "ensemble.pt", tmp_path / "ensemble")
+    export_ctranslate2(tmp_path / "first.pt", tmp_path / "alone")
+    assert (tmp_path / "ensemble" / "model.bin").read_bytes() == (tmp_path / "alone" / "model.bin").read_bytes()
+    assert len(Translator(tmp_path / "ensemble.pt", device="cpu").model.models) == 2

@@ -177,3 +177,15 @@ def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch)
     assert runner.invoke(command, ["--timing", str(tmp_path / "t.json")]).exit_code == 0
     timing = report.load_timings(tmp_path)["t"]
     assert timing["wall_s"] > 0 and timing["finished"].endswith("+00:00")  # since the process started: pytest's age here
+
+
+def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_training_times():
+    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
+              "norm": "pre", "tie_embeddings": True, "pad": PAD}
+    one = sum(p.numel() for p in make_model(**config).parameters())
+    described = describe_model({"model_config": config, "step": 9, "train_time_s": 600.0,
+                                "members": [{"seed": 3}, {"seed": 4}]})
+    recipe = "\n".join(report.recipe(params_from_dict(tiny_params(**{"train.seed": 2, "train.members": 3})), described))
+    assert f"| parameters | 0.0M ({one:,}) × 3 members |" in recipe
+    assert "| ensemble | 3 models, seeds 2, 3, 4:" in recipe and "| training time | 10.0 min |" in recipe
+    assert "ensemble" not in "\n".join(report.recipe(params_from_dict(tiny_params()), describe_model({"model_config": config})))

@@ -50,14 +50,15 @@ def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], tr
     """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files.
     Returns its id."""
     from transformer.config import flatten
-    from transformer.tracking import log_evaluation
+    from transformer.tracking import experiment_name, log_evaluation
 
     d = params.data
     contexts = {"train": "training", d.valid: "validation"} | {t: "evaluation" for t in scored}
     inputs = {f"{d.corpus}/{split}.{lang}": (references / f"{split}.{lang}", context)
               for split, context in contexts.items() for lang in (d.src_lang, d.tgt_lang)}
     run_params = {k: v for k, v in flatten(params).items() if k.startswith(("decode.", "average."))}
-    return log_evaluation(model["mlflow_run_id"], f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}",
+    what = f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}"
+    return log_evaluation(model["mlflow_run_id"], experiment_name(d.corpus, d.src_lang, d.tgt_lang), what,
                           run_params, {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()}, model["step"],
                           inputs, {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]})
 

@@ -66,7 +66,7 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
     test, train = tmp_path / "test2016.en", tmp_path / "train.en"
     test.write_text("a b.\n")
     train.write_text("c d.\n")
-    run_id = tracking.log_evaluation(training.run_id, "evaluate beam=3 alpha=1.0", {"decode.beam": 3},
+    run_id = tracking.log_evaluation(training.run_id, EXPERIMENT, "evaluate beam=3 alpha=1.0", {"decode.beam": 3},
                                      {"test2016_bleu": 12.5}, 40,
                                      {"toy/test2016.en": (test, "evaluation"), "toy/train.en": (train, "training")},
                                      {"translations": [test]})
@@ -109,3 +109,21 @@ def test_runs_table_url_names_the_recipes_experiment(tracking, store, tmp_path):
     tracking.Tracker("toy-de-en").end()
     experiment = _client(store).get_experiment_by_name("toy-de-en")
     assert tracking.runs_table_url(params, "http://h:1") == f"http://h:1/#/experiments/{experiment.experiment_id}/runs"
+
+
+def test_runs_a_store_lacks_are_said_and_replaced_not_a_traceback(tracking, store, tmp_path, capsys):
+    """A checkpoint or model file may name a run of a store since deleted: a resumed training opens a
+    new run, an evaluation stands alone in its experiment, a later stage's files are not logged."""
+    gone = "0123456789abcdef0123456789abcdef"
+    resumed = tracking.Tracker(EXPERIMENT, run_id=gone, run_name="train")
+    resumed.end()
+    evaluation = tracking.Tracker(EXPERIMENT, run_name="evaluate", parent_run_id=gone)
+    evaluation.end()
+    tracking.log_to_run(gone, {"model": [tmp_path / "absent.pt"]})
+    said = capsys.readouterr().err
+    client = _client(store)
+    assert resumed.run_id != gone and client.get_run(resumed.run_id).info.status == "FINISHED"
+    run = client.get_run(evaluation.run_id)
+    assert "mlflow.parentRunId" not in run.data.tags
+    assert client.get_experiment(run.info.experiment_id).name == EXPERIMENT
+    assert said.count(gone) == 3 and "logging to a new run" in said and "model not logged" in said

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -59,6 +60,13 @@ class Tracker:
         check_reachable(uri)
         mlflow.set_tracking_uri(uri)
         self.client = MlflowClient(uri)
+        if run_id is not None and experiment and not self.has_run(run_id):  # a resumed training's run
+            _say(f"MLflow run {run_id}, which the checkpoint names, is not in {uri}: logging to a new run")
+            run_id = None
+        if parent_run_id and not self.has_run(parent_run_id):
+            _say(f"MLflow run {parent_run_id}, the training's, is not in {uri}: this run is logged without it, "
+                 f"in experiment '{experiment}'")
+            parent_run_id = None
         if run_id is None:
             with _store_errors():
                 if parent_run_id:  # nested: in the parent's experiment, shown under it
@@ -69,6 +77,18 @@ class Tracker:
                 run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         self.run_id = run_id
         self._pending: list = []  # MLflow's RunOperations, waited for by end()
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether the store holds the run: a checkpoint may name one of a store since deleted or replaced."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
+        return True
 
     @classmethod
     def attach(cls, run_id: str) -> Tracker:
@@ -167,6 +187,10 @@ def _store_errors() -> Iterator[None]:
         raise TrackingError(f"MLflow ({tracking_uri()}): {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def dvc_exp_name() -> str | None:
     """The experiment's name while `dvc exp run` runs the stage (DVC sets DVC_EXP_NAME), else None."""
     return os.environ.get("DVC_EXP_NAME") or None
@@ -186,6 +210,10 @@ def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = Non
     if not run_id:
         return
     tracker = Tracker.attach(run_id)
+    if not tracker.has_run(run_id):
+        _say(f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: "
+             f"{', '.join([*(artifacts or {}), *(texts or {})])} not logged")
+        return
     for directory, paths in (artifacts or {}).items():
         for path in paths:
             tracker.log_artifact(path, directory)
@@ -194,12 +222,12 @@ def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = Non
     tracker.end()
 
 
-def log_evaluation(training_run_id: str, what: str, params: dict[str, Any], metrics: dict[str, float], step: int,
-                   inputs: dict[str, tuple[Path, str]], artifacts: dict[str, list[Path]]) -> str:
-    """One evaluation of a trained model as a run of its own, nested under the training's run: the params
-    that made it, its scores, the corpus files it read ({name: (path, context)}) and the DVC experiment that
-    ran it. Returns its id."""
-    tracker = Tracker("", run_name=run_name(what), parent_run_id=training_run_id)
+def log_evaluation(training_run_id: str, experiment: str, what: str, params: dict[str, Any], metrics: dict[str, float],
+                   step: int, inputs: dict[str, tuple[Path, str]], artifacts: dict[str, list[Path]]) -> str:
+    """One evaluation of a trained model as a run of its own, nested under the training's run (in
+    `experiment` alone where the store lacks that run): the params that made it, its scores, the corpus
+    files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id."""
+    tracker = Tracker(experiment, run_name=run_name(what), parent_run_id=training_run_id)
     try:
         tracker.log_params(params)
         tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit()})

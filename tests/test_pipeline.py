@@ -55,6 +55,7 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     assert "reports/scores.json" in shown and "test2016.bleu" in shown
 
 
+
 def _assert_report_has_every_stage_and_score(repo, scores):
     report = (repo / "reports/reproduction.md").read_text()
     assert report.count("<!-- begin toy de-en -->") == 1
@@ -245,6 +246,26 @@ def test_repro_killed_in_every_writing_stage_resumes_to_a_clean_runs_outputs(tmp
         assert _tree(repo / name) == _tree(clean_repro / name), name
     _assert_same_model(repo, clean_repro)
     assert "Data and pipelines are up to date" in run([DVC, "status"], repo).stdout
+
+
+@pytest.mark.slow
+def test_a_second_member_trains_alone_and_every_stage_after_train_uses_both(tmp_path, clean_repro):
+    import torch
+
+    repo = tmp_path / "repo"
+    shutil.copytree(clean_repro, repo, symlinks=True)
+    trained = _tree(repo / "data/checkpoints")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["members"] = 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    ensemble = run([DVC, "repro"], repo, timeout=600)
+    assert "member 2 of 2: seed 2" in ensemble.stderr and "resuming from data/checkpoints/ckpt_" in ensemble.stderr
+    assert {k: v for k, v in _tree(repo / "data/checkpoints").items() if not k.startswith("seed2/")} == trained
+    model = torch.load(repo / "data/model/model.pt", weights_only=True)
+    assert [m["seed"] for m in model["members"]] == [2] and "holds the first member's alone" in ensemble.stderr
+    ran = {line.split("'")[1] for line in ensemble.stdout.splitlines() if line.startswith("Running stage")}
+    assert ran == {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures", "report", "export"}
+    assert "| ensemble | 2 models, seeds 1, 2:" in (repo / "reports/reproduction.md").read_text()
 
 
 @pytest.mark.slow

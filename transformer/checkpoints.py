@@ -181,8 +181,7 @@ def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str =
                         "train_time_s": other["train_time_s"], "mlflow_run_id": other["mlflow_run_id"]})
     times = [first["train_time_s"]] + [m["train_time_s"] for m in members]
     params = first["params"] | {"train": first["params"]["train"] | {"members": len(seeds)}}
-    return first | {"members": members, "params": params,
-            "train_time_s": sum(times) if None not in times else None}
+    return first | {"members": members, "params": params, "train_time_s": sum(times) if None not in times else None}
 
 
 def _recipe(params: dict[str, Any], seed: int) -> dict[str, Any]:

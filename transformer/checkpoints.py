@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from transformer.config import TRAIN_SECTIONS
+from transformer.config import training_params
 from transformer.io import DataError, save_torch
 
 PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -172,7 +172,7 @@ def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str =
     for k, seed in enumerate(seeds[1:], 1):
         where = member_dir(ckpt_dir, k, seed)
         other = average_checkpoints(where, last_k, select)
-        expected, found = _recipe(first["params"], seed), _recipe(other["params"], seed)
+        expected, found = (_as_member(training_params(c["params"]), seed) for c in (first, other))
         if found != expected:
             changed = next(f"{s}.{key}" for s in expected for key in expected[s] | found.get(s, {})
                            if found.get(s, {}).get(key) != expected[s].get(key))
@@ -184,8 +184,5 @@ def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str =
     return first | {"members": members, "params": params, "train_time_s": sum(times) if None not in times else None}
 
 
-def _recipe(params: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The params a member's training depends on, as they must be for the member of `seed`
-    (train.members aside: a file of a run from before ensembles lacks it)."""
-    train = {k: v for k, v in params["train"].items() if k != "members"} | {"seed": seed}
-    return {s: params[s] for s in TRAIN_SECTIONS} | {"train": train}
+def _as_member(trained_by: dict[str, Any], seed: int) -> dict[str, Any]:
+    return trained_by | {"train": trained_by["train"] | {"seed": seed}}

@@ -133,7 +133,7 @@ class Params:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
-TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a trained model depends on: a resumable run must share them
+TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a trained model depends on
 _SECTION_TYPES = typing.get_type_hints(Params)
 METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}  # score.metrics: name in reports
 
@@ -264,6 +264,14 @@ def _check_values(p: Params, source: str) -> None:
             fail(key, "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'")
     if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
+
+
+def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The params (as Params.to_dict() gives them) that a resumed run, or each member of an ensemble,
+    must share: TRAIN_SECTIONS without train.members, since training sees one member at a time (and
+    a file written before ensembles lacks it)."""
+    train = {k: v for k, v in params["train"].items() if k != "members"}
+    return {s: params[s] for s in TRAIN_SECTIONS} | {"train": train}
 
 
 def flatten(params: Params) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch import nn
 from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, TrainingSplit, token_batches, epoch_steps
-from transformer.config import TRAIN_SECTIONS, Params, flatten
+from transformer.config import TRAIN_SECTIONS, Params, flatten, training_params
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import token_loss
@@ -113,7 +113,8 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     model.to(env.device)
     fused = env.device.type in ("cuda", "cpu")  # one kernel updates every tensor
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
-    identity = {"params": _trained_by(params), "data": data_fingerprint(vocab_dir, "train")}
+    # Not train.members: a run trained alone resumes, or stays finished, as the first member of an ensemble.
+    identity = {"params": training_params(params.to_dict()), "data": data_fingerprint(vocab_dir, "train")}
     progress = _resume(out.checkpoints, identity, model, optimizer, env)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
@@ -195,13 +196,6 @@ def patience_spent(bleus: list[float], patience: int) -> bool:
     if not patience or len(bleus) <= patience:
         return False
     return max(bleus[-patience:]) <= max(bleus[:-patience])
-
-
-def _trained_by(params: Params) -> dict[str, dict[str, Any]]:
-    """The params a resumed run must share. Not train.members: training sees one member at a time,
-    so a run trained alone resumes, or stays finished, as the first member of an ensemble."""
-    sections = {s: params.to_dict()[s] for s in TRAIN_SECTIONS}
-    return sections | {"train": {k: v for k, v in sections["train"].items() if k != "members"}}
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:

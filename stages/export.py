@@ -18,11 +18,11 @@ from transformer.stage import PARAMS, stage
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: bool) -> None:
     from transformer import checkpoints
-    from transformer.export import export_ctranslate2
+    from transformer.export import write_ctranslate2
 
     p = load_params(params_path).export
     model = checkpoints.load(model_path)
-    export_ctranslate2(model_path, out, p.quantization)
+    write_ctranslate2(model, out, p.quantization)
     click.echo(f"{model_path}: CTranslate2 model ({p.quantization}) in {out}", err=True)
     if model.get("members"):
         click.echo(f"{model_path}: an ensemble of {len(model['members']) + 1} models; CTranslate2 searches with one, so "

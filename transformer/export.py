@@ -23,13 +23,17 @@ LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use
 
 
 def export_ctranslate2(model_path: Path, out: Path, quantization: str = "none") -> None:
+    """Writes the CTranslate2 model directory `out` from a model file (see write_ctranslate2)."""
+    write_ctranslate2(checkpoints.load(model_path), out, quantization)
+
+
+def write_ctranslate2(checkpoint: dict[str, Any], out: Path, quantization: str = "none") -> None:
     """Writes the CTranslate2 model directory `out` (atomically); quantization "none" keeps float32.
     CTranslate2 has no ensembles: of a file with train.members > 1, the first member is written."""
     import ctranslate2.converters
 
     if quantization not in QUANTIZATIONS:
         raise DataError(f"quantization '{quantization}' is not one of {', '.join(QUANTIZATIONS)}")
-    checkpoint = checkpoints.load(model_path)
 
     class OurConverter(ctranslate2.converters.Converter):
         def _load(self):

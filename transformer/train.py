@@ -53,6 +53,14 @@ class Outputs:
     epochs: Path  # per-epoch report (TSV)
     summary: Path  # the run's metrics (JSON)
 
+    def member(self, k: int, seed: int) -> Outputs:
+        """Where member k of an ensemble writes: the first here, each further one in its
+        checkpoints.member_dir, with its reports beside its checkpoints."""
+        if k == 0:
+            return self
+        where = checkpoints.member_dir(self.checkpoints, k, seed)
+        return Outputs(where, where / self.steps.name, where / self.epochs.name, where / self.summary.name)
+
 
 @dataclass
 class Progress:
@@ -146,16 +154,14 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
 def train_members(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,
                   references: Path | None = None) -> list[dict[str, Any]]:
     """Trains (or resumes) the train.members models in turn, member k exactly as a single run with
-    seed train.seed + k: the first in `out`, each further one in checkpoints.member_dir, its
-    reports beside its checkpoints. Their summaries, in member order."""
+    seed train.seed + k, where Outputs.member says. Their summaries, in member order."""
     seeds = params.train.member_seeds()
     summaries = []
     for k, seed in enumerate(seeds):
         member = dataclasses.replace(params, train=dataclasses.replace(params.train, seed=seed, members=1))
-        where = checkpoints.member_dir(out.checkpoints, k, seed)
-        outputs = out if k == 0 else Outputs(where, where / out.steps.name, where / out.epochs.name, where / out.summary.name)
+        outputs = out.member(k, seed)
         if len(seeds) > 1:
-            print(f"member {k + 1} of {len(seeds)}: seed {seed}, in {where}", file=sys.stderr, flush=True)
+            print(f"member {k + 1} of {len(seeds)}: seed {seed}, in {outputs.checkpoints}", file=sys.stderr, flush=True)
         summaries.append(train(member, vocab_dir, outputs, tracker_factory, tokenized, references))
     return summaries
 

@@ -153,6 +153,7 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("report", "label", "x-->"),
         ("train", "bpe_dropout", 1.0),
         ("train", "bpe_dropout", -0.1),
+        ("train", "rdrop", -1.0),
     ],
 )
 def test_out_of_range_value_is_rejected_by_key(section, key, value):
@@ -193,6 +194,16 @@ def test_bpe_dropout_with_word_vocabulary_is_rejected():
     assert params_from_dict(raw).train.bpe_dropout == 0.0
     raw["vocab"]["kind"], raw["model"]["tie_embeddings"], raw["train"]["bpe_dropout"] = "bpe", True, 0.1
     assert params_from_dict(raw).train.bpe_dropout == 0.1
+
+
+def test_rdrop_without_dropout_is_rejected():
+    raw = _with("train", "rdrop", 5.0)
+    raw["model"].update(dropout=0.0, attn_dropout=0.0, ff_dropout=0.0)
+    with pytest.raises(ConfigError, match="needs dropout") as e:
+        params_from_dict(raw)
+    assert "train.rdrop" in str(e.value)
+    raw["model"]["ff_dropout"] = 0.1
+    assert params_from_dict(raw).train.rdrop == 5.0
 
 
 def test_averaging_more_checkpoints_than_kept_is_rejected():

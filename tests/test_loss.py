@@ -1,11 +1,12 @@
-"""The training loss against its definition (section 5.4), written out by hand."""
+"""The training losses against their definitions (section 5.4; R-Drop), written out by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from transformer.loss import token_loss
+from transformer.loss import rdrop_loss, token_loss
 from transformer.model import make_model
 
 PAD = 2
@@ -28,3 +29,39 @@ def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
         expected -= float((target * log_probs[row, col]).sum())
 
     assert float(token_loss(model, hidden, tgt_out, PAD, smoothing).detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def _tiny(dropout: float = 0.0):
+    torch.manual_seed(0)
+    return make_model(20, 20, N=1, d_model=16, d_ff=32, h=2, dropout=dropout, norm="pre", tie_embeddings=True, pad=PAD)
+
+
+TGT_OUT = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_rdrop_loss_of_two_equal_passes_is_the_token_loss(smoothing):
+    model, hidden = _tiny().eval(), torch.randn(2, 4, 16)
+    alone = token_loss(model, hidden, TGT_OUT, PAD, smoothing)
+    assert float(rdrop_loss(model, hidden.repeat(2, 1, 1), TGT_OUT, PAD, smoothing, alpha=5.0)) == pytest.approx(float(alone), rel=1e-6)
+
+
+def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmetric_kl():
+    model, first, second = _tiny().eval(), torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    keep = TGT_OUT != PAD
+    p = model.generator(first[keep]).log_softmax(-1)
+    q = model.generator(second[keep]).log_softmax(-1)
+    kl = F.kl_div(q, p, log_target=True, reduction="sum") + F.kl_div(p, q, log_target=True, reduction="sum")  # KL(P||Q) + KL(Q||P)
+    ce = (token_loss(model, first, TGT_OUT, PAD, 0.1) + token_loss(model, second, TGT_OUT, PAD, 0.1)) / 2
+    got = rdrop_loss(model, torch.cat([first, second]), TGT_OUT, PAD, 0.1, alpha=3.0)
+    assert float(kl) > 0.1
+    assert float(got) == pytest.approx(float(ce + 3.0 / 4 * kl), rel=1e-5)
+
+
+def test_the_two_passes_of_a_repeated_batch_draw_their_own_dropout():
+    model = _tiny(dropout=0.3).train()
+    src, tgt_in = torch.tensor([[4, 5, 6, 1]]).repeat(2, 1), torch.tensor([[0, 5, 6, 1]]).repeat(2, 1)
+    hidden = model(src.repeat(2, 1), tgt_in.repeat(2, 1))
+    first, second = hidden.chunk(2)
+    assert not torch.allclose(first, second)  # else R-Drop's KL would be 0 and its second pass wasted
+    assert float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=5.0)) > float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=0.0))

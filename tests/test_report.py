@@ -50,6 +50,13 @@ def test_recipe_names_the_cooldown_and_a_single_checkpoint():
     assert "cooldown" not in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
 
 
+def test_recipe_names_the_regularizers_in_use_only():
+    params = params_from_dict(tiny_params(**{"train.bpe_dropout": 0.1, "train.rdrop": 5.0, "model.dropout": 0.3}))
+    text = "\n".join(report.recipe(params, MODEL))
+    assert "| regularization | label smoothing 0.1, dropout 0.3, BPE-dropout 0.1, R-Drop α 5.0 |" in text
+    assert "| regularization | label smoothing 0.1, dropout 0.0 |" in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
+
+
 def test_section_without_an_anchor_says_so():
     text = _section(corpus="toy", anchors=())
     assert "| none | none |" in text and "No published figure is on record" in text

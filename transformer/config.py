@@ -68,6 +68,7 @@ class TrainConfig:
     label_smoothing: float
     bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
+    rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
     precision: str
     compile: bool
     save_every: int
@@ -151,7 +152,7 @@ POSITIVE = {
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
 NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
-                "decode.max_len_extra", "decode.alpha"}
+                "train.rdrop", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "train.label_smoothing", "train.cooldown",
              "train.bpe_dropout"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -248,6 +249,8 @@ def _check_values(p: Params, source: str) -> None:
         fail("model.d_model", "must be even (sinusoidal positional encoding)")
     if p.model.tie_embeddings and p.vocab.kind != "bpe":
         fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
+    if p.train.rdrop and not (p.model.dropout or p.model.attn_dropout or p.model.ff_dropout):
+        fail("train.rdrop", "needs dropout (model.dropout, attn_dropout or ff_dropout > 0): without it both passes are the same")
     if p.train.bpe_dropout and p.vocab.kind != "bpe":
         fail("train.bpe_dropout", "needs vocab.kind: bpe (a word vocabulary has one segmentation)")
     if p.data.src_lang == p.data.tgt_lang:

@@ -105,7 +105,9 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
             ["batches", f"{t.max_tokens} tokens × nproc {t.nproc} × nnodes {t.nnodes} × accum {t.accum}"],
             ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"
                          + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
-            ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"],
+            ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"
+                               + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
+                               + (f", R-Drop α {t.rdrop}" if t.rdrop else "")],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
             *([["ensemble", f"{t.members} models, seeds {', '.join(map(str, t.member_seeds()))}: their next-token "
                             f"probabilities averaged in beam search"]] if t.members > 1 else []),

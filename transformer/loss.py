@@ -22,14 +22,11 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     symmetric KL divergence between their next-token distributions. That is the paper's objective
     (both cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
     scale of one pass and alpha means what the paper's does."""
-    first, second = hidden.chunk(2)
-    logits, target = _projected(model, first, tgt_out, pad)
-    logits_2, _ = _projected(model, second, tgt_out, pad)
-    ce = smoothed_cross_entropy(logits, target, pad, smoothing, zero_pad) \
-        + smoothed_cross_entropy(logits_2, target, pad, smoothing, zero_pad)
-    p, q = logits.log_softmax(-1), logits_2.log_softmax(-1)  # (n, V)
+    logits, target = _projected(model, hidden, tgt_out.repeat(2, 1), pad)  # one projection: the first pass's rows, then the second's
+    ce = smoothed_cross_entropy(logits, target, pad, smoothing, zero_pad)
+    p, q = logits.log_softmax(-1).chunk(2)  # (n, V) each
     kl = (p.exp() * (p - q) + q.exp() * (q - p)).sum(-1)  # KL(P||Q) + KL(Q||P), (n,)
-    return ce / 2 + alpha / 4 * kl.masked_fill(target == pad, 0.0).sum()
+    return ce / 2 + alpha / 4 * kl.masked_fill(target.chunk(2)[0] == pad, 0.0).sum()
 
 
 def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -186,6 +186,26 @@ def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch)
     assert timing["wall_s"] > 0 and timing["finished"].endswith("+00:00")  # since the process started: pytest's age here
 
 
+def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report_says_so(tmp_path):
+    import click
+    from click.testing import CliRunner
+
+    from transformer.stage import Resumed, stage
+
+    @click.command()
+    @stage
+    def command() -> Resumed:
+        return Resumed(3600.0)
+
+    result = CliRunner().invoke(command, ["--timing", str(tmp_path / "train.json")])
+    assert result.exit_code == 0 and "(and 3600.0 s in earlier invocations, resumed)" in result.output
+    timing = report.load_timings(tmp_path)["train"]
+    assert timing["resumed_s"] == 3600.0 and timing["wall_s"] > 3600.0
+    table = "\n".join(report.timing_table({"download": {"wall_s": 2.0, "finished": "t0"}, "train": timing}))
+    assert f"| train | {timing['wall_s'] / 60:.1f} min (60.0 min of it before a resume) |" in table
+    assert "| download | 2.0 s | t0 |" in table  # a stage that resumed nothing says nothing of it
+
+
 def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_training_times():
     config = {"src_vocab": 40, "tgt_vocab": 40, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
               "norm": "pre", "tie_embeddings": True, "pad": PAD}

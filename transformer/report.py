@@ -47,7 +47,7 @@ def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[
 
 
 def load_timings(directory: Path) -> dict[str, dict[str, Any]]:
-    """{stage: {wall_s, finished}} from the stages' --timing files, in the order they finished: the
+    """{stage: {wall_s, finished[, resumed_s]}} from the stages' --timing files, in the order they finished: the
     pipeline's order for a full run, with no list of stages to repeat dvc.yaml's."""
     found = {p.stem: read_json(p) for p in directory.glob("*.json")} if directory.is_dir() else {}
     return dict(sorted(found.items(), key=lambda kv: (kv[1].get("finished", ""), kv[0])))
@@ -124,7 +124,11 @@ def _averaged(k: int, select: str) -> str:
 
 
 def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
-    rows = [[name, _minutes(t["wall_s"]), t["finished"]] for name, t in timings.items()]
+    """Each stage's wall time; a stage that resumed work (train) counts its earlier invocations' too, and says how much."""
+    rows = []
+    for name, t in timings.items():
+        resumed = f" ({_minutes(t['resumed_s'])} of it before a resume)" if t.get("resumed_s") else ""
+        rows.append([name, _minutes(t["wall_s"]) + resumed, t["finished"]])
     rows.append(["**total**", f"**{_minutes(sum(t['wall_s'] for t in timings.values()))}**", ""])
     return _table(["stage", "wall time", "finished (UTC)"], rows)
 

@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -34,6 +35,15 @@ def process_age() -> float | None:
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What a stage returns when it continued work that earlier, interrupted invocations saved (a
+    training resumed from its checkpoints): their wall time, which its --timing adds to its own, so
+    that the stage's time is that of all the work its outputs hold, not of the last piece alone."""
+
+    earlier_s: float
+
+
 def stage(fn):
     """Turns the project's errors and failed reads or writes (OSError) into `error: <message>` and
     exit status 1, never a traceback, and adds --timing."""
@@ -51,10 +61,13 @@ def stage(fn):
             click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(1)
         wall = time.perf_counter() - start
-        click.echo(f"{Path(sys.argv[0]).stem}: done in {wall:.1f} s", err=True)
+        earlier = result.earlier_s if isinstance(result, Resumed) else 0.0
+        carried = f" (and {earlier:.1f} s in earlier invocations, resumed)" if earlier else ""
+        click.echo(f"{Path(sys.argv[0]).stem}: done in {wall:.1f} s{carried}", err=True)
         if timing and os.environ.get("RANK", "0") == "0":  # under torchrun, the first process speaks
             finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            write_json(timing, {"wall_s": round(process_age() or wall, 1), "finished": finished})
+            record = {"wall_s": round((process_age() or wall) + earlier, 1), "finished": finished}
+            write_json(timing, record | ({"resumed_s": round(earlier, 1)} if earlier else {}))
         return result
 
     return TIMING(wrapper)

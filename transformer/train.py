@@ -70,6 +70,7 @@ class Progress:
     epoch: int = 0
     step_in_epoch: int = 0
     train_time_s: float = 0.0
+    wall_s: float = 0.0  # the run's wall time up to its newest checkpoint, over every invocation
     steps: list[dict[str, float]] = field(default_factory=list)
     epochs: list[dict[str, float]] = field(default_factory=list)
     mlflow_run_id: str | None = None
@@ -110,6 +111,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking.
     `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0. With the raw
     reference translations of the validation split, each validation also measures greedy BLEU."""
+    started = time.perf_counter()
     env = setup_distributed()
     p = params.train
     torch.manual_seed(p.seed)
@@ -127,7 +129,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
                  {"model_config": _model_config(params, src_vocab, tgt_vocab),
-                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity}, refs)
+                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity}, refs, started)
     try:
         summary = loop.run()
     except torch.cuda.OutOfMemoryError:
@@ -237,7 +239,8 @@ def _read_resume_state(ckpt_dir: Path, identity: dict) -> dict[str, Any] | None:
             print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
             h = ckpt["history"]
             progress = {"step": ckpt["step"], "epoch": ckpt["epoch"], "step_in_epoch": ckpt["step_in_epoch"],
-                        "train_time_s": ckpt.get("train_time_s", 0.0), "steps": h["steps"], "epochs": h["epochs"],
+                        "train_time_s": ckpt.get("train_time_s", 0.0), "wall_s": ckpt.get("wall_s", 0.0),
+                        "steps": h["steps"], "epochs": h["epochs"],
                         "mlflow_run_id": ckpt.get("mlflow_run_id")}
             return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
         print(f"{found[-1]}: not resumed, {_identity_change(ckpt.get('identity'), identity)}; starting afresh",
@@ -353,7 +356,8 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
 
 
 class _Loop:
-    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references=None):
+    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references=None,
+                 started: float | None = None):
         self.params, self.p, self.env = params, params.train, env
         self.model, self.optimizer = model, optimizer
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
@@ -367,6 +371,8 @@ class _Loop:
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
         self.references, self.stopped = references, False
+        # Wall time so far: what the checkpoint resumed from holds, plus this invocation's since `started`.
+        self.wall = (progress.wall_s, time.perf_counter() if started is None else started)
         self.tgt_vocab = vocab_from_state(meta["vocab"]["tgt"])
 
     def run(self) -> dict[str, Any]:
@@ -575,10 +581,11 @@ class _Loop:
             raise TrainingError(f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
                                 f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup.")
         path = checkpoints.path_for(self.ckpt_dir, pr.step)
+        self._clock()
         checkpoints.save(path, {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "params": self.params.to_dict(),
             "step": pr.step, "epoch": pr.epoch, "step_in_epoch": pr.step_in_epoch, "train_time_s": pr.train_time_s,
-            "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
+            "wall_s": pr.wall_s, "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
             "history": {"steps": pr.steps, "epochs": pr.epochs}, "mlflow_run_id": pr.mlflow_run_id, **self.meta,
         })
         a = self.params.average  # with select best, its candidates stay until better ones replace them
@@ -586,14 +593,19 @@ class _Loop:
         checkpoints.prune(self.ckpt_dir, self.p.keep, best)
         self._write_reports()
 
+    def _clock(self) -> None:
+        before, since = self.wall
+        self.progress.wall_s = before + time.perf_counter() - since
+
     def _write_reports(self) -> dict[str, Any]:
+        self._clock()
         pr = self.progress
         last = pr.epochs[-1] if pr.epochs else {}
         recent = pr.steps[-50:]
         bleus = _bleus(pr.epochs)
         summary = {"steps": pr.step, "epochs": last.get("epoch", 0), "val_loss": last.get("val_loss"),
                    "val_ppl": last.get("val_ppl"), "val_bleu": last.get("val_bleu"), "best_val_bleu": max(bleus, default=None),
-                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1),
+                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1), "wall_s": round(pr.wall_s, 1),
                    "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))

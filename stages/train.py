@@ -1,7 +1,6 @@
 """Stage train: launched by torchrun; resumes from its last checkpoint when params are unchanged;
 trains train.members models, one after the other."""
 
-import time
 from pathlib import Path
 
 import click
@@ -32,14 +31,10 @@ def main(params_path: Path, vocab: Path, tokenized: Path | None, ckpt_dir: Path,
     if track:
         tracking.check_reachable(tracking.tracking_uri())  # before any training work
     outputs = Outputs(ckpt_dir, steps, epochs, summary)
-    started = time.perf_counter()
     results = train_members(params, vocab, outputs, tracking.Tracker if track else None, tokenized, references)
-    here = time.perf_counter() - started
     for seed, result in zip(params.train.member_seeds(), results):
         click.echo(f"trained (seed {seed}): {result}", err=True)
-    # Each member's wall_s spans every invocation up to its newest checkpoint; less this one's share,
-    # the rest was spent by earlier invocations whose work the checkpoints kept.
-    return Resumed(max(0.0, sum(r["wall_s"] for r in results) - here))
+    return Resumed(sum(r["resumed_s"] for r in results))  # what earlier invocations spent on the work resumed
 
 
 if __name__ == "__main__":

@@ -371,8 +371,8 @@ class _Loop:
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
         self.references, self.stopped = references, False
-        # Wall time so far: what the checkpoint resumed from holds, plus this invocation's since `started`.
-        self.wall = (progress.wall_s, time.perf_counter() if started is None else started)
+        # The run's wall time: the earlier invocations' (as the checkpoint resumed from holds it) and this one's.
+        self.resumed_s, self.started = progress.wall_s, time.perf_counter() if started is None else started
         self.tgt_vocab = vocab_from_state(meta["vocab"]["tgt"])
 
     def run(self) -> dict[str, Any]:
@@ -594,8 +594,7 @@ class _Loop:
         self._write_reports()
 
     def _clock(self) -> None:
-        before, since = self.wall
-        self.progress.wall_s = before + time.perf_counter() - since
+        self.progress.wall_s = self.resumed_s + time.perf_counter() - self.started
 
     def _write_reports(self) -> dict[str, Any]:
         self._clock()
@@ -605,7 +604,8 @@ class _Loop:
         bleus = _bleus(pr.epochs)
         summary = {"steps": pr.step, "epochs": last.get("epoch", 0), "val_loss": last.get("val_loss"),
                    "val_ppl": last.get("val_ppl"), "val_bleu": last.get("val_bleu"), "best_val_bleu": max(bleus, default=None),
-                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1), "wall_s": round(pr.wall_s, 1),
+                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1),
+                   "wall_s": round(pr.wall_s, 1), "resumed_s": round(self.resumed_s, 1),
                    "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))

@@ -356,8 +356,7 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
 
 
 class _Loop:
-    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references=None,
-                 started: float | None = None):
+    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references, started: float):
         self.params, self.p, self.env = params, params.train, env
         self.model, self.optimizer = model, optimizer
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
@@ -372,7 +371,7 @@ class _Loop:
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
         self.references, self.stopped = references, False
         # The run's wall time: the earlier invocations' (as the checkpoint resumed from holds it) and this one's.
-        self.resumed_s, self.started = progress.wall_s, time.perf_counter() if started is None else started
+        self.resumed_s, self.started = progress.wall_s, started
         self.tgt_vocab = vocab_from_state(meta["vocab"]["tgt"])
 
     def run(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.loss import rdrop_loss, token_loss
+from transformer.loss import _RDrop, rdrop_loss, token_loss
 from transformer.model import make_model
 
 PAD = 2
@@ -65,3 +65,45 @@ def test_the_two_passes_of_a_repeated_batch_draw_their_own_dropout():
     first, second = hidden.chunk(2)
     assert not torch.allclose(first, second)  # else R-Drop's KL would be 0 and its second pass wasted
     assert float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=5.0)) > float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=0.0))
+
+
+@pytest.mark.parametrize("smoothing, zero_pad", [(0.0, False), (0.1, False), (0.1, True)])
+def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
+    """The loss writes its gradient out by hand (for speed): it must be autograd's of the formula,
+    and pad positions must get none."""
+    torch.manual_seed(0)
+    vocab, rows = 11, 6
+    hidden = torch.randn(2, rows, 8, dtype=torch.float64, requires_grad=True)
+    generator = torch.nn.Linear(8, vocab).double()
+    model = torch.nn.Module()
+    model.generator = generator
+    tgt_out = torch.randint(3, vocab, (1, rows))
+    tgt_out[0, 2] = PAD
+
+    got = rdrop_loss(model, hidden, tgt_out, PAD, smoothing, alpha=5.0, zero_pad=zero_pad)
+    got_grad, = torch.autograd.grad(2.5 * got, hidden)
+
+    keep = (tgt_out != PAD).flatten()
+    logits = generator(hidden.flatten(0, 1)).view(2, rows, vocab)[:, keep]  # (2 passes, kept rows, V)
+    log_probs = logits.log_softmax(-1)
+    target = tgt_out.flatten()[keep]
+    smooth = torch.full((vocab,), smoothing / (vocab - 2 if zero_pad else vocab), dtype=torch.float64)
+    if zero_pad:
+        smooth[PAD] = 0.0
+    wanted = smooth.repeat(len(target), 1)
+    gold = torch.full((len(target), 1), 1 - smoothing, dtype=torch.float64)
+    wanted = wanted.scatter(1, target[:, None], gold) if zero_pad else wanted.scatter_add(1, target[:, None], gold)
+    ce = -(wanted * log_probs).sum(-1).sum(-1)  # (2,): each pass's sum over its rows
+    p, q = log_probs
+    kl = ((p.exp() - q.exp()) * (p - q)).sum()
+    expected = ce.mean() + 5.0 / 4 * kl
+    expected_grad, = torch.autograd.grad(2.5 * expected, hidden)
+
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)  # the logits are float32 (as under autocast)
+    assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+    assert float(expected_grad[:, 2].abs().max()) == 0.0  # the pad position
+
+    # In float64, from the logits on, with the pad row kept (as on a GPU): to rounding.
+    logits = generator(hidden.detach().flatten(0, 1)).detach().requires_grad_()
+    target = tgt_out.flatten().repeat(2)
+    assert torch.autograd.gradcheck(lambda z: _RDrop.apply(z, target, PAD, smoothing, 5.0, zero_pad), (logits,))

@@ -23,10 +23,62 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     (both cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
     scale of one pass and alpha means what the paper's does."""
     logits, target = _projected(model, hidden, tgt_out.repeat(2, 1), pad)  # one projection: the first pass's rows, then the second's
-    ce = smoothed_cross_entropy(logits, target, pad, smoothing, zero_pad)
-    p, q = logits.log_softmax(-1).chunk(2)  # (n, V) each
-    kl = (p.exp() * (p - q) + q.exp() * (q - p)).sum(-1)  # KL(P||Q) + KL(Q||P), (n,)
-    return ce / 2 + alpha / 4 * kl.masked_fill(target.chunk(2)[0] == pad, 0.0).sum()
+    return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
+
+
+class _RDrop(torch.autograd.Function):
+    """R-Drop's loss from the logits (2n, V) with its gradient written out, in place where it can be.
+
+    Left to autograd, the same formula keeps about a dozen (n, V) intermediates and runs the
+    log-softmax twice; over a 6k vocabulary they cost as much as the generator's matmuls.
+    With lp the log-probabilities, P = exp(lp), dl = lp1 - lp2 and dP = P1 - P2 per pair of rows:
+
+        loss = sum over kept rows of ce / 2, plus alpha / 4 times sum over kept pairs of <dP, dl>
+        d loss / d lp1 = alpha / 4 (P1 dl + dP) - (the smoothed target) / 2,  likewise for lp2 with dl, dP negated
+        d loss / d logits = g - P * sum(g)  (the log-softmax's backward, per row)"""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float,
+                zero_pad: bool) -> torch.Tensor:
+        lp = logits.log_softmax(-1)  # (2n, V)
+        prob = lp.exp()
+        lp1, lp2 = lp.chunk(2)
+        dl, dp = lp1 - lp2, prob.chunk(2)[0] - prob.chunk(2)[1]
+        kl = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1), (n,)
+        keep = target != pad  # (2n,), the same for both halves
+        gold = lp.gather(-1, target[:, None]).squeeze(-1)
+        vocab = lp.size(-1)
+        if zero_pad and smoothing:
+            spread = (lp.sum(-1) - gold - lp[:, pad]) / (vocab - 2)
+        else:
+            spread = lp.sum(-1) / vocab
+        ce = -(1 - smoothing) * gold - smoothing * spread
+        ctx.save_for_backward(prob, dl, dp, target, keep)
+        ctx.pad, ctx.smoothing, ctx.alpha, ctx.zero_pad = pad, smoothing, alpha, zero_pad
+        return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep.chunk(2)[0], 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        prob, dl, dp, target, keep = ctx.saved_tensors
+        pad, smoothing, alpha = ctx.pad, ctx.smoothing, ctx.alpha
+        g = torch.empty_like(prob)  # d loss / d lp, then d loss / d logits
+        g1, g2 = g.chunk(2)
+        torch.addcmul(dp, prob.chunk(2)[0], dl, out=g1)
+        torch.addcmul(dp, prob.chunk(2)[1], dl, out=g2)
+        g2.neg_()
+        g.mul_(alpha / 4)
+        vocab = g.size(-1)
+        if ctx.zero_pad and smoothing:
+            spread = smoothing / (vocab - 2)
+            g.sub_(spread / 2)
+            g[:, pad] += spread / 2
+            g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], (spread - (1 - smoothing)) / 2))
+        else:
+            g.sub_(smoothing / vocab / 2)
+            g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], -(1 - smoothing) / 2))
+        g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
+        g.masked_fill_(~keep[:, None], 0.0)
+        return g.mul_(grad), None, None, None, None, None
 
 
 def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

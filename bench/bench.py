@@ -26,10 +26,14 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        attention kernels training picks for it (transformer.attention.attention_kernels).
     f. ours, token batches, bf16, torch's default attention kernel (flash on this CPU): what
        the choice in e buys.
-  The ratio compares a with b (same batches: the model's code alone) and c, e, f with d (the
-  project's training recipe against the seed's). Rows e and f, and the bf16 peak, are left out
-  on a CPU without bf16 hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few
-  percent of fp32's speed and training runs in fp32 (train.precision: auto).
+    g. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
+       (transformer.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
+       speed through the corpus, against c's. Its MFU credits both passes.
+  The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
+  project's training recipe against the seed's) and g with c (what R-Drop costs). Rows e and f,
+  and the bf16 peak, are left out on a CPU without bf16 hardware (AVX512_BF16 or AMX), where
+  torch emulates bf16 at a few percent of fp32's speed and training runs in fp32
+  (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
   sentences of test2016-like lengths: ours greedy and beam 4 (transformer.search, batched by
   length as transformer.translate does), and the baseline's greedy, one sentence at a time,
@@ -78,7 +82,7 @@ from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import load_params  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.loss import token_loss  # noqa: E402
+from transformer.loss import rdrop_loss, token_loss  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search, greedy  # noqa: E402
 from transformer.system import hardware  # noqa: E402
@@ -240,9 +244,10 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
     return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
 
 
-def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) -> Step:
+def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
-    `default_kernel` leaves the attention backend to torch instead of training's choice."""
+    `default_kernel` leaves the attention backend to torch instead of training's choice;
+    `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as training does."""
     model = ours_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     smoothing = PARAMS.train.label_smoothing
@@ -250,8 +255,12 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False) 
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
-            hidden = model(batch.src, batch.tgt_in)
-            loss = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
+            if rdrop:
+                hidden = model(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
+                loss = rdrop_loss(model, hidden, batch.tgt_out, PAD, smoothing, rdrop)
+            else:
+                hidden = model(batch.src, batch.tgt_in)
+                loss = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -306,12 +315,14 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
 
 
 def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
-              plan: Plan, peak: float) -> dict[str, Any]:
+              plan: Plan, peak: float, passes: int = 1) -> dict[str, Any]:
+    """`passes`: forward passes of each batch an update runs (R-Drop's 2). Tokens/s counts each
+    corpus token once, so it is the speed through the corpus; MFU credits every pass."""
     i = plan.sizes.index(size.name)
     clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
     seconds = clock.seconds
     tokens = sum(b.ntokens for b in timed)
-    flops = sum(train_flops(b, size, data.tgt_vocab) for b in timed)
+    flops = passes * sum(train_flops(b, size, data.tgt_vocab) for b in timed)
     row = {"size": size.name, "key": key, "row": label, "dtype": dtype, "updates": len(timed),
            "seconds": round(seconds, 3), "target_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
            "flops_per_token": round(flops / tokens), "mfu": round(flops / seconds / (peak * 1e9), 4),
@@ -323,6 +334,7 @@ def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch]
     return row
 
 
+RDROP = 5.0  # the alpha of the R-Drop preset (params/multi30k_en_de_rdrop.yaml); its cost does not depend on it
 TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("a", "ours, 256 sentences", "ours", "256 sentences", False),
     ("b", "baseline, 256 sentences", "baseline", "256 sentences", False),
@@ -330,6 +342,7 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("d", "baseline, seed recipe", "baseline", "seed recipe", False),
     ("e", "ours, token batches, bf16", "ours", "token batches", True),
     ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
+    ("g", "c with R-Drop", "ours rdrop", "token batches", False),
 )
 
 
@@ -340,9 +353,11 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         dtype = "bf16" if bf16 else "fp32"
         if dtype not in peaks:
             continue
-        step = baseline_step(data, size) if model == "baseline" else ours_step(data, size, bf16, model == "ours default kernel")
-        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype]))
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d"})
+        rdrop = RDROP if model == "ours rdrop" else 0.0
+        step = (baseline_step(data, size) if model == "baseline"
+                else ours_step(data, size, bf16, model == "ours default kernel", rdrop))
+        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1))
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "g": "c"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -42,8 +42,8 @@ class _RDrop(torch.autograd.Function):
                 zero_pad: bool) -> torch.Tensor:
         lp = logits.log_softmax(-1)  # (2n, V)
         prob = lp.exp()
-        lp1, lp2 = lp.chunk(2)
-        dl, dp = lp1 - lp2, prob.chunk(2)[0] - prob.chunk(2)[1]
+        (lp1, lp2), (p1, p2) = lp.chunk(2), prob.chunk(2)
+        dl, dp = lp1 - lp2, p1 - p2
         kl = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1), (n,)
         keep = target != pad  # (2n,), the same for both halves
         gold = lp.gather(-1, target[:, None]).squeeze(-1)
@@ -62,9 +62,9 @@ class _RDrop(torch.autograd.Function):
         prob, dl, dp, target, keep = ctx.saved_tensors
         pad, smoothing, alpha = ctx.pad, ctx.smoothing, ctx.alpha
         g = torch.empty_like(prob)  # d loss / d lp, then d loss / d logits
-        g1, g2 = g.chunk(2)
-        torch.addcmul(dp, prob.chunk(2)[0], dl, out=g1)
-        torch.addcmul(dp, prob.chunk(2)[1], dl, out=g2)
+        (g1, g2), (p1, p2) = g.chunk(2), prob.chunk(2)
+        torch.addcmul(dp, p1, dl, out=g1)
+        torch.addcmul(dp, p2, dl, out=g2)
         g2.neg_()
         g.mul_(alpha / 4)
         vocab = g.size(-1)

@@ -26,11 +26,11 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        attention kernels training picks for it (transformer.attention.attention_kernels).
     f. ours, token batches, bf16, torch's default attention kernel (flash on this CPU): what
        the choice in e buys.
-    g. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
+    r. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
        (transformer.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
        speed through the corpus, against c's. Its MFU credits both passes.
   The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
-  project's training recipe against the seed's) and g with c (what R-Drop costs). Rows e and f,
+  project's training recipe against the seed's) and r with c (what R-Drop costs). Rows e and f,
   and the bf16 peak, are left out on a CPU without bf16 hardware (AVX512_BF16 or AMX), where
   torch emulates bf16 at a few percent of fp32's speed and training runs in fp32
   (train.precision: auto).
@@ -342,7 +342,7 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("d", "baseline, seed recipe", "baseline", "seed recipe", False),
     ("e", "ours, token batches, bf16", "ours", "token batches", True),
     ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
-    ("g", "c with R-Drop", "ours rdrop", "token batches", False),
+    ("r", "c with R-Drop", "ours rdrop", "token batches", False),
 )
 
 
@@ -357,7 +357,7 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         step = (baseline_step(data, size) if model == "baseline"
                 else ours_step(data, size, bf16, model == "ours default kernel", rdrop))
         rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1))
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "g": "c"})
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
   the denominator of MFU (model FLOPs utilization) for rows of that dtype.
 - training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam, fused
   for ours as in training, label smoothing 0.1, dropout on); batches are built before the clock starts:
-    a. ours, 256 sentences: transformer.model.make_model + transformer.loss.token_loss,
+    a. ours, 256 sentences: transformer.model.make_model + transformer.loss.batch_loss,
        fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch). They
        are about 45% real tokens, so the model packs both sides (transformer.packing).
     b. baseline, 256 sentences: bench/baseline.py (the seed's way of computing the same
@@ -82,7 +82,7 @@ from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import load_params  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.loss import rdrop_loss, token_loss  # noqa: E402
+from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search, greedy  # noqa: E402
 from transformer.system import hardware  # noqa: E402
@@ -255,12 +255,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, 
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
-            if rdrop:
-                hidden = model(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
-                loss = rdrop_loss(model, hidden, batch.tgt_out, PAD, smoothing, rdrop)
-            else:
-                hidden = model(batch.src, batch.tgt_in)
-                loss = token_loss(model, hidden, batch.tgt_out, PAD, smoothing)
+            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

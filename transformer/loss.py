@@ -26,6 +26,17 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
 
 
+def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdrop: float = 0.0,
+               zero_pad: bool = False) -> torch.Tensor:
+    """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its
+    DDP wrapper) on the batch, then `model`'s generator. With rdrop > 0, R-Drop's, from two passes
+    of the batch in one forward (each row draws its own dropout)."""
+    if not rdrop:
+        return token_loss(model, forward(batch.src, batch.tgt_in), batch.tgt_out, pad, smoothing, zero_pad)
+    hidden = forward(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
+    return rdrop_loss(model, hidden, batch.tgt_out, pad, smoothing, rdrop, zero_pad)
+
+
 class _RDrop(torch.autograd.Function):
     """R-Drop's loss from the logits (2n, V) with its gradient written out, in place where it can be.
 
@@ -46,13 +57,7 @@ class _RDrop(torch.autograd.Function):
         dl, dp = lp1 - lp2, p1 - p2
         kl = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1), (n,)
         keep = target != pad  # (2n,), the same for both halves
-        gold = lp.gather(-1, target[:, None]).squeeze(-1)
-        vocab = lp.size(-1)
-        if zero_pad and smoothing:
-            spread = (lp.sum(-1) - gold - lp[:, pad]) / (vocab - 2)
-        else:
-            spread = lp.sum(-1) / vocab
-        ce = -(1 - smoothing) * gold - smoothing * spread
+        ce = _smoothed_nll(lp, target, pad, smoothing, zero_pad)
         ctx.save_for_backward(prob, dl, dp, target, keep)
         ctx.pad, ctx.smoothing, ctx.alpha, ctx.zero_pad = pad, smoothing, alpha, zero_pad
         return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep.chunk(2)[0], 0.0).sum()
@@ -67,15 +72,13 @@ class _RDrop(torch.autograd.Function):
         torch.addcmul(dp, p2, dl, out=g2)
         g2.neg_()
         g.mul_(alpha / 4)
-        vocab = g.size(-1)
-        if ctx.zero_pad and smoothing:
-            spread = smoothing / (vocab - 2)
-            g.sub_(spread / 2)
+        # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
+        spread = smoothing / (g.size(-1) - 2 if ctx.zero_pad else g.size(-1))
+        g.sub_(spread / 2)
+        if ctx.zero_pad:
             g[:, pad] += spread / 2
-            g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], (spread - (1 - smoothing)) / 2))
-        else:
-            g.sub_(smoothing / vocab / 2)
-            g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], -(1 - smoothing) / 2))
+        gold = (spread if ctx.zero_pad else 0.0) - (1 - smoothing)  # with zero_pad the gold column has no spread
+        g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold / 2))
         g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
         g.masked_fill_(~keep[:, None], 0.0)
         return g.mul_(grad), None, None, None, None, None
@@ -104,8 +107,17 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
     the gold token nor <blank>."""
     if not zero_pad or smoothing == 0:
         return F.cross_entropy(logits, target, ignore_index=pad, reduction="sum", label_smoothing=smoothing)
-    log_probs = logits.log_softmax(-1)  # (n, V)
-    gold = log_probs.gather(-1, target[:, None]).squeeze(-1)  # (n,)
-    rest = log_probs.sum(-1) - gold - log_probs[:, pad]
-    loss = -(1 - smoothing) * gold - smoothing / (logits.size(-1) - 2) * rest
+    loss = _smoothed_nll(logits.log_softmax(-1), target, pad, smoothing, zero_pad=True)
     return loss.masked_fill(target == pad, 0.0).sum()
+
+
+def _smoothed_nll(log_probs: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float,
+                  zero_pad: bool) -> torch.Tensor:
+    """Per row of log_probs (n, V): the cross-entropy against the smoothed target, which puts
+    1 - smoothing on the gold token and spreads smoothing over every column (torch's), or with
+    `zero_pad` over the V - 2 columns that are neither gold nor <blank>."""
+    gold = log_probs.gather(-1, target[:, None]).squeeze(-1)  # (n,)
+    if zero_pad:
+        rest = log_probs.sum(-1) - gold - log_probs[:, pad]
+        return -(1 - smoothing) * gold - smoothing / (log_probs.size(-1) - 2) * rest
+    return -(1 - smoothing) * gold - smoothing / log_probs.size(-1) * log_probs.sum(-1)

@@ -23,7 +23,7 @@ from transformer.batching import ParallelCorpus, TrainingSplit, token_batches, e
 from transformer.config import TRAIN_SECTIONS, Params, flatten, training_params
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
-from transformer.loss import rdrop_loss, token_loss
+from transformer.loss import batch_loss, token_loss
 from transformer.model import make_model
 from transformer.schedule import rate
 from transformer.score import score_lines
@@ -464,11 +464,7 @@ class _Loop:
         """The training loss of a micro-batch, summed over its target tokens; with train.rdrop > 0,
         R-Drop's, from two passes of the batch in one forward (each row draws its own dropout)."""
         p = self.p
-        if not p.rdrop:
-            hidden = self.step_model(batch.src, batch.tgt_in)
-            return token_loss(self.model, hidden, batch.tgt_out, PAD, p.label_smoothing, p.smoothing_zeroes_pad)
-        hidden = self.step_model(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
-        return rdrop_loss(self.model, hidden, batch.tgt_out, PAD, p.label_smoothing, p.rdrop, p.smoothing_zeroes_pad)
+        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, p.rdrop, p.smoothing_zeroes_pad)
 
     def autocast(self) -> contextlib.ExitStack:
         """bf16 autocast where enabled, with the attention kernels that suit it."""

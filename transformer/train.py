@@ -461,8 +461,7 @@ class _Loop:
         pr.step_in_epoch += 1
 
     def _loss(self, batch) -> torch.Tensor:
-        """The training loss of a micro-batch, summed over its target tokens; with train.rdrop > 0,
-        R-Drop's, from two passes of the batch in one forward (each row draws its own dropout)."""
+        """loss.batch_loss with this run's smoothing and R-Drop params."""
         p = self.p
         return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, p.rdrop, p.smoothing_zeroes_pad)
 

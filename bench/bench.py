@@ -29,11 +29,13 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
     r. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
        (transformer.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
        speed through the corpus, against c's. Its MFU credits both passes.
+    s. ours, token batches, R-Drop, bf16: r under e's autocast, against e: what R-Drop costs
+       where training runs in bf16.
   The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
-  project's training recipe against the seed's) and r with c (what R-Drop costs). Rows e and f,
-  and the bf16 peak, are left out on a CPU without bf16 hardware (AVX512_BF16 or AMX), where
-  torch emulates bf16 at a few percent of fp32's speed and training runs in fp32
-  (train.precision: auto).
+  project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
+  fp32 and in bf16). Rows e, f and s, and the bf16 peak, are left out on a CPU without bf16
+  hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
+  and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
   sentences of test2016-like lengths: ours greedy and beam 4 (transformer.search, batched by
   length as transformer.translate does), and the baseline's greedy, one sentence at a time,
@@ -338,6 +340,7 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("e", "ours, token batches, bf16", "ours", "token batches", True),
     ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
     ("r", "c with R-Drop", "ours rdrop", "token batches", False),
+    ("s", "e with R-Drop", "ours rdrop", "token batches", True),
 )
 
 
@@ -352,7 +355,7 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         step = (baseline_step(data, size) if model == "baseline"
                 else ours_step(data, size, bf16, model == "ours default kernel", rdrop))
         rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1))
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c"})
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -29,9 +29,10 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(da
     assert "bf16 not measured" in bench.table({"fp32": 1.0}, 0.0, rows)
 
 
-def test_with_a_bf16_peak_rows_e_and_f_run_in_bf16(data):
+def test_with_a_bf16_peak_rows_e_f_and_s_run_in_bf16(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
-    assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [("e", "bf16", "d"), ("f", "bf16", "d"), ("r", "fp32", "c")]
+    assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [("e", "bf16", "d"), ("f", "bf16", "d"), ("r", "fp32", "c"),
+                                                            ("s", "bf16", "e")]
 
 
 def test_the_rdrop_row_counts_corpus_tokens_once_and_credits_both_passes(data):

@@ -15,15 +15,26 @@ from transformer.model import count_parameters, make_model
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    name = platform.processor() or "CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+    cpu = _cpuinfo()
+    name = cpu.get("model name") or platform.processor() or "CPU"
+    # Virtual machines often name only the vendor line ("AMD EPYC"); the family and model tell its generations apart.
+    if "cpu family" in cpu and "model" in cpu:
+        name += f", family {cpu['cpu family']} model {cpu['model']}"
     capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what CPU speed depends on most
     return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux); empty elsewhere."""
+    path = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return fields
 
 
 def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ def hardware() -> str:
     if "cpu family" in cpu and "model" in cpu:
         name += f", family {cpu['cpu family']} model {cpu['model']}"
     capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what CPU speed depends on most
-    return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}"
 
 
 def _cpuinfo() -> dict[str, str]:

@@ -207,8 +207,10 @@ def _timed(fn) -> float:
 
 
 def _cpu_flags() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags)
+    from transformer.system import cpuinfo
+
+    flags = cpuinfo().get("flags", "").split()
+    return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer import report
+from transformer import report, system
 from transformer.checkpoints import average_state_dicts
 from transformer.config import METRICS, load_params, params_from_dict
 from transformer.io import DataError, write_json
 from transformer.model import make_model
-from transformer import system
 from transformer.system import describe_model
 from transformer.vocab import PAD
 from conftest import ROOT, tiny_params
@@ -220,7 +219,7 @@ def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_trainin
 
 
 def test_the_hardware_names_the_cpus_family_and_model_where_its_name_is_only_a_vendor_line(monkeypatch):
-    monkeypatch.setattr(system, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
+    monkeypatch.setattr(system, "cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
     assert "(AMD EPYC, family 25 model 17, " in system.hardware()
-    monkeypatch.setattr(system, "_cpuinfo", lambda: {"model name": "AMD EPYC"})
+    monkeypatch.setattr(system, "cpuinfo", lambda: {"model name": "AMD EPYC"})
     assert "(AMD EPYC, " in system.hardware() and "family" not in system.hardware()

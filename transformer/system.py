@@ -15,7 +15,7 @@ from transformer.model import count_parameters, make_model
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    cpu = _cpuinfo()
+    cpu = cpuinfo()
     name = cpu.get("model name") or platform.processor() or "CPU"
     # Virtual machines often name only the vendor line ("AMD EPYC"); the family and model tell its generations apart.
     if "cpu family" in cpu and "model" in cpu:
@@ -25,7 +25,7 @@ def hardware() -> str:
     return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}"
 
 
-def _cpuinfo() -> dict[str, str]:
+def cpuinfo() -> dict[str, str]:
     """The first processor's fields in /proc/cpuinfo (Linux); empty elsewhere."""
     path = Path("/proc/cpuinfo")
     fields: dict[str, str] = {}

@@ -154,6 +154,8 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("train", "bpe_dropout", 1.0),
         ("train", "bpe_dropout", -0.1),
         ("train", "rdrop", -1.0),
+        ("train", "rdrop_from", 1.0),
+        ("train", "rdrop_from", -0.2),
     ],
 )
 def test_out_of_range_value_is_rejected_by_key(section, key, value):

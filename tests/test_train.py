@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -100,6 +101,26 @@ def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_d
     rdrop, again, one_pass = trained("rdrop", 5.0), trained("again", 5.0), trained("one_pass", 0.0)
     assert all(torch.equal(rdrop[k], again[k]) for k in rdrop)
     assert not all(torch.equal(rdrop[k], one_pass[k]) for k in rdrop)
+
+
+def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir, monkeypatch):
+    import transformer.train as train_module
+
+    alphas = []
+
+    def recording(forward, model, batch, pad, smoothing, rdrop=0.0, zero_pad=False):
+        alphas.append(rdrop)
+        return batch_loss(forward, model, batch, pad, smoothing, rdrop, zero_pad)
+
+    batch_loss = train_module.batch_loss
+    monkeypatch.setattr(train_module, "batch_loss", recording)
+    params = params_from_dict(tiny_params(**{"train.epochs": 4, "train.rdrop": 5.0, "train.rdrop_from": 0.6,
+                                             "model.dropout": 0.1}))
+    summary = train_module.train(params, vocab_dir, train_outputs(tmp_path / "late"))
+    updates = summary["steps"]
+    assert len(alphas) == updates > 10  # one micro-batch an update
+    first = math.ceil(0.6 * updates)
+    assert alphas == [0.0] * first + [5.0] * (updates - first)
 
 
 def test_cooldown_scales_the_last_updates_down_to_nearly_zero():

@@ -69,6 +69,7 @@ class TrainConfig:
     bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
+    rdrop_from: float  # the fraction of the planned updates after which R-Drop starts; 0: from the first update
     precision: str
     compile: bool
     save_every: int
@@ -154,7 +155,7 @@ POSITIVE = {
 NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
                 "train.rdrop", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "train.label_smoothing", "train.cooldown",
-             "train.bpe_dropout"}  # in [0, 1)
+             "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option

@@ -463,7 +463,13 @@ class _Loop:
     def _loss(self, batch) -> torch.Tensor:
         """loss.batch_loss with this run's smoothing and R-Drop params."""
         p = self.p
-        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, p.rdrop, p.smoothing_zeroes_pad)
+        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, self._rdrop(), p.smoothing_zeroes_pad)
+
+    def _rdrop(self) -> float:
+        """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the
+        planned updates on, 0 before. A function of the step, so a resumed run switches where the
+        uninterrupted one does."""
+        return self.p.rdrop if self.progress.step >= self.p.rdrop_from * self.planned_updates else 0.0
 
     def autocast(self) -> contextlib.ExitStack:
         """bf16 autocast where enabled, with the attention kernels that suit it."""

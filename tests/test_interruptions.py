@@ -86,6 +86,33 @@ def _sentences_done(proc: subprocess.Popen, total: int) -> int | None:
     return None
 
 
+def test_a_killed_launcher_takes_its_worker_with_it(tmp_path, vocab_dir):
+    """torchrun starts its workers in sessions of their own: killing the launcher's process group
+    (as killing `dvc repro` does) must not leave a worker training on, orphaned."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 1000})))  # it trains until killed
+    job = subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1", "stages/train.py",
+                            "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path),
+                            "--references", str(vocab_dir.parent / "toy" / "val.en"), "--no-track"],
+                           cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = None
+    try:
+        assert _wait_for(lambda: checkpoints.listed(tmp_path / "ckpt") or job.poll() is not None, 300)
+        workers = [p for p in psutil.Process(job.pid).children() if "stages/train.py" in " ".join(p.cmdline())]
+        assert len(workers) == 1 and job.poll() is None, "the job ended before its launcher could be killed"
+        worker = workers[0]
+        assert os.getsid(worker.pid) != os.getsid(job.pid)  # what makes the group kill miss it
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        assert _wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30), \
+            "the worker trains on after its launcher was killed"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        if worker is not None and worker.is_running():
+            worker.kill()
+
+
 @pytest.mark.slow
 def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights(tmp_path, vocab_dir):
     params = tmp_path / "params.yaml"

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -78,6 +79,7 @@ class Progress:
 
 def setup_distributed() -> Dist:
     """Reads torchrun's environment; NCCL on GPUs, gloo on CPUs."""
+    die_with_launcher()
     world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
@@ -86,6 +88,28 @@ def setup_distributed() -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(rank, world, device)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux: the kernel kills this worker when its launcher dies.
+
+    torchrun starts each worker in a session of its own, so a signal to the launcher's process
+    group (a killed `dvc repro` and everything it started) misses the workers, and a launcher
+    killed outright cannot stop them: they would train on, orphaned, writing into the checkpoint
+    directory a rerun resumes from. A worker killed so loses what a power loss would: the updates
+    since its last checkpoint. A launcher that dies while the worker starts up, before this call,
+    is not covered."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker outlives a killed launcher",
+              file=sys.stderr)
+    elif os.getppid() != launcher:  # it died between the two calls
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:

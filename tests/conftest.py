@@ -187,7 +187,7 @@ FAULTS = {
     "8 interruptions": ["test_train.py::test_killed_training", "test_interruptions.py::test_decode_killed",
                         "test_pipeline.py::test_repro_killed"],
     "9 ddp": ["test_interruptions.py::test_dead_ddp_worker", "test_interruptions.py::test_a_killed_launcher",
-             "test_scale_out.py::test_two_ranks_with_dropout_resume",
+              "test_scale_out.py::test_two_ranks_with_dropout_resume",
               "test_scale_out.py::test_two_nodes_without_a_shared_disk", "test_scale_out.py::test_nodes_with_other_params"],
     "10 command line": ["test_faults_cli.py::"],
 }

@@ -31,9 +31,15 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        speed through the corpus, against c's. Its MFU credits both passes.
     s. ours, token batches, R-Drop, bf16: r under e's autocast, against e: what R-Drop costs
        where training runs in bf16.
+    t. ours, token batches, with glibc's malloc defaults: c with the large blocks mapped and
+       unmapped each update, as glibc does unless told otherwise; every other row of ours keeps
+       freed memory for reuse, as training does (transformer.train.keep_freed_memory), and the
+       baseline's rows run with glibc's defaults, as the seed does.
+    u. the same against e, in bf16.
   The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
   project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
-  fp32 and in bf16). Rows e, f and s, and the bf16 peak, are left out on a CPU without bf16
+  fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse).
+  Rows e, f, s and u, and the bf16 peak, are left out on a CPU without bf16
   hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
   and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
@@ -88,7 +94,7 @@ from transformer.loss import batch_loss  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search, greedy  # noqa: E402
 from transformer.system import hardware  # noqa: E402
-from transformer.train import use_bf16  # noqa: E402
+from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,6 +347,8 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
     ("r", "c with R-Drop", "ours rdrop", "token batches", False),
     ("s", "e with R-Drop", "ours rdrop", "token batches", True),
+    ("t", "c, glibc's malloc defaults", "ours malloc defaults", "token batches", False),
+    ("u", "e, glibc's malloc defaults", "ours malloc defaults", "token batches", True),
 )
 
 
@@ -352,10 +360,12 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         if dtype not in peaks:
             continue
         rdrop = RDROP if model == "ours rdrop" else 0.0
+        keep_freed_memory(model not in ("baseline", "ours malloc defaults"))  # as training does; the seed does not
         step = (baseline_step(data, size) if model == "baseline"
                 else ours_step(data, size, bf16, model == "ours default kernel", rdrop))
         rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1))
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e"})
+    keep_freed_memory()
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e", "t": "c", "u": "e"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -121,6 +123,47 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
     assert len(alphas) == updates > 10  # one micro-batch an update
     first = math.ceil(0.6 * updates)
     assert alphas == [0.0] * first + [5.0] * (updates - first)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's settings are glibc's")
+def test_kept_memory_serves_the_next_large_block_without_page_faults():
+    from transformer.train import keep_freed_memory
+
+    def faults_of_a_fresh_block() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(64 * 2**20 // 4)  # 64 MiB, over glibc's largest mmap threshold, freed at once
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    try:
+        assert keep_freed_memory(False)
+        faults_of_a_fresh_block()
+        assert faults_of_a_fresh_block() > 10_000  # mapped anew: every 4 KiB page faults in again
+        assert keep_freed_memory()
+        faults_of_a_fresh_block(), faults_of_a_fresh_block()  # the heap grows to hold it
+        assert faults_of_a_fresh_block() < 1_000  # then the freed block serves the next
+    finally:
+        keep_freed_memory()
+
+
+def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, vocab_dir, monkeypatch):
+    import transformer.train as train_module
+
+    params = params_from_dict(tiny_params(**{"train.epochs": 2, "model.dropout": 0.1}))
+    train_module.train(params, vocab_dir, train_outputs(tmp_path / "kept"))
+    keep, asked = train_module.keep_freed_memory, []
+
+    def glibcs_defaults(keep_: bool = True) -> bool:
+        asked.append(keep_)
+        return keep(False)
+
+    monkeypatch.setattr(train_module, "keep_freed_memory", glibcs_defaults)
+    try:
+        train_module.train(params, vocab_dir, train_outputs(tmp_path / "default"))
+    finally:
+        keep()
+    assert asked == [True]
+    kept, default = _final_weights(tmp_path / "kept"), _final_weights(tmp_path / "default")
+    assert all(torch.equal(kept[k], default[k]) for k in kept)
 
 
 def test_cooldown_scales_the_last_updates_down_to_nearly_zero():

@@ -137,8 +137,20 @@ def keep_freed_memory(keep: bool = True) -> bool:
         settings = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_THRESHOLD: 32 * 1024 * 1024}
     applied = all(libc.mallopt(key, value) == 1 for key, value in settings.items())
     if not keep:
-        libc.malloc_trim(0)
+        release_freed_memory()
     return applied
+
+
+def release_freed_memory() -> None:
+    """glibc: gives the free pages of the heap back to the system (malloc_trim). Kept memory
+    fragments as batch shapes change: unreleased, a de→en R-Drop run grew from 10 to 13.6 GB over
+    8 epochs. Released every LOG_EVERY updates, the memory stays near what an update uses, and
+    its pages fault in once per LOG_EVERY updates instead of every update."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -481,6 +493,8 @@ class _Loop:
             bar.update(1)
             if len(self.pending) >= LOG_EVERY:
                 bar.set_postfix(self._sync())
+                if self.env.device.type == "cpu":
+                    release_freed_memory()
             if self.p.eval_every and pr.step % self.p.eval_every == 0 and pr.step_in_epoch < len(groups):
                 self._validate_and_save(pr.epoch + pr.step_in_epoch / len(groups))  # the epoch's end validates anyway
                 self.tick = time.perf_counter()  # training time leaves validation out, as at epoch ends

@@ -126,12 +126,9 @@ def keep_freed_memory(keep: bool = True) -> bool:
     every LOG_EVERY updates, 83 updates of the default model peaked at 2.95 GB against glibc's 2.78.
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
     adjustment would take it for blocks this large. True where glibc took the settings."""
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(None)
     if keep:
         settings = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1}
     else:
@@ -147,11 +144,17 @@ def release_freed_memory() -> None:
     fragments as batch shapes change: unreleased, a de→en R-Drop run grew from 10 to 13.6 GB over
     8 epochs. Released every LOG_EVERY updates, the memory stays near what an update uses, and
     its pages fault in once per LOG_EVERY updates instead of every update."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc():
+    """The C library this process runs on, where it is glibc (mallopt and malloc_trim are its own); else None."""
     import ctypes
     import platform
 
-    if platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(None).malloc_trim(0)
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:

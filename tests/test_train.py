@@ -6,7 +6,6 @@ import json
 import math
 import os
 import platform
-import resource
 import signal
 import subprocess
 import sys
@@ -125,24 +124,35 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
     assert alphas == [0.0] * first + [5.0] * (updates - first)
 
 
+_FAULTS_OF_FRESH_BLOCKS = """
+import json, resource, torch
+from transformer.train import keep_freed_memory
+
+def faults_of_a_fresh_block():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 * 2**20 // 4)  # 64 MiB, over glibc's largest mmap threshold, freed at once
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+faults = {}
+for keep in (False, True):
+    assert keep_freed_memory(keep)
+    faults_of_a_fresh_block(), faults_of_a_fresh_block()  # with keep, the heap grows to hold it
+    faults[str(keep)] = faults_of_a_fresh_block()
+print(json.dumps(faults))
+"""
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's settings are glibc's")
 def test_kept_memory_serves_the_next_large_block_without_page_faults():
-    from transformer.train import keep_freed_memory
-
-    def faults_of_a_fresh_block() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.ones(64 * 2**20 // 4)  # 64 MiB, over glibc's largest mmap threshold, freed at once
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    try:
-        assert keep_freed_memory(False)
-        faults_of_a_fresh_block()
-        assert faults_of_a_fresh_block() > 10_000  # mapped anew: every 4 KiB page faults in again
-        assert keep_freed_memory()
-        faults_of_a_fresh_block(), faults_of_a_fresh_block()  # the heap grows to hold it
-        assert faults_of_a_fresh_block() < 1_000  # then the freed block serves the next
-    finally:
-        keep_freed_memory()
+    # In a fresh process: the settings are the process's, and a test worker's history changes what
+    # they do (after a failed allocation glibc moves the main thread to an arena of at most 64 MiB,
+    # which maps every larger block afresh whatever mallopt says).
+    done = subprocess.run([sys.executable, "-c", _FAULTS_OF_FRESH_BLOCKS], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    faults = json.loads(done.stdout)
+    assert faults["False"] > 10_000  # glibc's defaults: mapped anew, every 4 KiB page faults in again
+    assert faults["True"] < 1_000  # kept: the freed block serves the next
 
 
 def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, vocab_dir, monkeypatch):

@@ -125,7 +125,9 @@ def keep_freed_memory(keep: bool = True) -> bool:
     the next (bench/bench.py times it: rows t and u against c and e); with release_freed_memory
     every LOG_EVERY updates, 83 updates of the default model peaked at 2.95 GB against glibc's 2.78.
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
-    adjustment would take it for blocks this large. True where glibc took the settings."""
+    adjustment would take it for blocks this large. True where glibc took the settings.
+    Only the main arena keeps blocks of 64 MiB and more: glibc maps them afresh in its other
+    arenas (other threads', and the main thread's after an allocation failed), whatever mallopt says."""
     libc = _glibc()
     if libc is None:
         return False

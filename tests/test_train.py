@@ -155,6 +155,17 @@ def test_kept_memory_serves_the_next_large_block_without_page_faults():
     assert faults["True"] < 1_000  # kept: the freed block serves the next
 
 
+def test_cpu_training_hands_freed_memory_back_every_release_every_updates(tmp_path, vocab_dir, monkeypatch):
+    import transformer.train as train_module
+
+    released = []
+    monkeypatch.setattr(train_module, "RELEASE_EVERY", 3)
+    monkeypatch.setattr(train_module, "release_freed_memory", lambda: released.append(1))
+    params = params_from_dict(tiny_params(**{"train.epochs": 2}))
+    updates = train_module.train(params, vocab_dir, train_outputs(tmp_path / "run"))["steps"]
+    assert updates >= 6 and len(released) == updates // 3
+
+
 def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, vocab_dir, monkeypatch):
     import transformer.train as train_module
 

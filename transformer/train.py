@@ -32,6 +32,7 @@ from transformer.translate import search_batches, to_text
 from transformer.vocab import EOS, PAD, load_vocabs, vocab_from_state
 
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
+RELEASE_EVERY = 200  # updates between hand-backs of freed CPU memory (release_freed_memory)
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,9 @@ def keep_freed_memory(keep: bool = True) -> bool:
 def release_freed_memory() -> None:
     """glibc: gives the free pages of the heap back to the system (malloc_trim). Kept memory
     fragments as batch shapes change: unreleased, a de→en R-Drop run grew from 10 to 13.6 GB over
-    8 epochs. Released every LOG_EVERY updates, the memory stays near what an update uses, and
-    its pages fault in once per LOG_EVERY updates instead of every update."""
+    8 epochs. Released every RELEASE_EVERY updates, the memory stays bounded and its pages fault in
+    again once per RELEASE_EVERY updates, not every update. Released every 20 updates, 80 updates
+    of en→de R-Drop took 107.6 s against 100.3 s unreleased (AVX-512 bf16), hence 200."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -499,8 +501,8 @@ class _Loop:
             bar.update(1)
             if len(self.pending) >= LOG_EVERY:
                 bar.set_postfix(self._sync())
-                if self.env.device.type == "cpu":
-                    release_freed_memory()
+            if self.env.device.type == "cpu" and pr.step % RELEASE_EVERY == 0:
+                release_freed_memory()
             if self.p.eval_every and pr.step % self.p.eval_every == 0 and pr.step_in_epoch < len(groups):
                 self._validate_and_save(pr.epoch + pr.step_in_epoch / len(groups))  # the epoch's end validates anyway
                 self.tick = time.perf_counter()  # training time leaves validation out, as at epoch ends

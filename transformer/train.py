@@ -123,8 +123,8 @@ def keep_freed_memory(keep: bool = True) -> bool:
     when freed. A CPU update's activations and logits are such blocks, hundreds of MB of them, so
     every update faulted its memory in anew: about 100,000 page faults an update of the default
     model, a sixth of its CPU time, spent in the kernel. Kept, the freed blocks of one update serve
-    the next (bench/bench.py times it: rows t and u against c and e); with release_freed_memory
-    every LOG_EVERY updates, 83 updates of the default model peaked at 2.95 GB against glibc's 2.78.
+    the next (bench/bench.py times it: rows t and u against c and e); 83 updates of the default
+    model peaked at 3.38 GB against glibc's 2.78 (2.95 released every 20 updates).
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
     adjustment would take it for blocks this large. True where glibc took the settings.
     Only the main arena keeps blocks of 64 MiB and more: glibc maps them afresh in its other

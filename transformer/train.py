@@ -145,9 +145,9 @@ def keep_freed_memory(keep: bool = True) -> bool:
 def release_freed_memory() -> None:
     """glibc: gives the free pages of the heap back to the system (malloc_trim). Kept memory
     fragments as batch shapes change: unreleased, a de→en R-Drop run grew from 10 to 13.6 GB over
-    8 epochs. Released every RELEASE_EVERY updates, the memory stays bounded and its pages fault in
-    again once per RELEASE_EVERY updates, not every update. Released every 20 updates, 80 updates
-    of en→de R-Drop took 107.6 s against 100.3 s unreleased (AVX-512 bf16), hence 200."""
+    8 epochs; released every RELEASE_EVERY updates, the de→en default peaked at 11.5 GB, and its
+    pages fault in again once per RELEASE_EVERY updates, not every update. Released every 20
+    updates, 80 updates of en→de R-Drop took 107.6 s against 100.3 s unreleased (AVX-512 bf16)."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -153,8 +154,10 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _glibc():
-    """The C library this process runs on, where it is glibc (mallopt and malloc_trim are its own); else None."""
+    """The C library this process runs on, where it is glibc (mallopt and malloc_trim are its own); else None.
+    Looked up once: platform.libc_ver reads the interpreter's binary."""
     import ctypes
     import platform
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +77,17 @@ def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, 
         assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     with attention_kernels(torch.device("cpu"), False):
         assert torch.backends.cuda.flash_sdp_enabled()  # fp32: torch's own choice (flash)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_cuda_training_attends_without_cudnn(bf16):
+    """cuDNN's attention plans every new shape anew; training's token batches keep changing shape."""
+    b = torch.backends.cuda
+    assert b.cudnn_sdp_enabled()  # torch's default, which the kernels below turn off for their extent
+    with attention_kernels(torch.device("cuda"), bf16):
+        assert not b.cudnn_sdp_enabled()
+        assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
+    assert b.cudnn_sdp_enabled()
 
 
 def test_cpu_training_steps_with_the_fused_adam(monkeypatch, vocab_dir, tmp_path):

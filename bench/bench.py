@@ -36,10 +36,15 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        freed memory for reuse, as training does (transformer.train.keep_freed_memory), and the
        baseline's rows run with glibc's defaults, as the seed does.
     u. the same against e, in bf16.
+    v. r with a shared encoder (train.rdrop_shared_encoder): the batch is encoded once and
+       decoded twice, so the two passes differ in the decoder's dropout alone. Against r.
+       Its MFU credits one encoder pass and two decoder passes.
+    w. the same against s, in bf16.
   The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
   project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
-  fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse).
-  Rows e, f, s and u, and the bf16 peak, are left out on a CPU without bf16
+  fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse),
+  v with r and w with s (what sharing the encoder pass saves R-Drop).
+  Rows e, f, s, u and w, and the bf16 peak, are left out on a CPU without bf16
   hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
   and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
@@ -202,8 +207,9 @@ def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch
 
 # ---------------------------------------------------------------------------- FLOPs
 
-def train_flops(batch: Batch, size: Size, tgt_vocab: int) -> float:
-    """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`.
+def train_flops(batch: Batch, size: Size, tgt_vocab: int, passes: int = 1, shared_encoder: bool = False) -> float:
+    """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`,
+    run `passes` times (R-Drop's 2), the encoder once with `shared_encoder`.
 
     Every weight of a matmul costs 6 FLOPs per token it is applied to (2 forward, 4 backward;
     Kaplan et al. 2020), with S the source tokens (with </s>) and T the target tokens (with </s>):
@@ -217,9 +223,9 @@ def train_flops(batch: Batch, size: Size, tgt_vocab: int) -> float:
     S = (batch.src != PAD).sum(1).double()  # (B,)
     T = (batch.tgt_out != PAD).sum(1).double()
     N, d, d_ff = size.N, size.d_model, size.d_ff
-    weights = 6 * (N * (4 * d * d + 2 * d * d_ff) * S + (N * (8 * d * d + 2 * d * d_ff) + d * tgt_vocab) * T)
-    attention = 12 * N * d * (S * S + T * (T + 1) / 2 + T * S)
-    return float((weights + attention).sum())
+    encoder = 6 * N * (4 * d * d + 2 * d * d_ff) * S + 12 * N * d * S * S
+    decoder = 6 * (N * (8 * d * d + 2 * d * d_ff) + d * tgt_vocab) * T + 12 * N * d * (T * (T + 1) / 2 + T * S)
+    return float(((1 if shared_encoder else passes) * encoder + passes * decoder).sum())
 
 
 def matmul_peak(dtype: torch.dtype, seconds: float, n: int = 2048) -> float:
@@ -252,10 +258,12 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
     return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
 
 
-def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0) -> Step:
+def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0,
+              shared_encoder: bool = False) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch instead of training's choice;
-    `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as training does."""
+    `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as training does, over
+    one encoder pass with `shared_encoder`."""
     model = ours_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     smoothing = PARAMS.train.label_smoothing
@@ -263,7 +271,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, 
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
-            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop)
+            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop, shared_encoder=shared_encoder)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -318,14 +326,15 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
 
 
 def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
-              plan: Plan, peak: float, passes: int = 1) -> dict[str, Any]:
-    """`passes`: forward passes of each batch an update runs (R-Drop's 2). Tokens/s counts each
+              plan: Plan, peak: float, passes: int = 1, shared_encoder: bool = False) -> dict[str, Any]:
+    """`passes`: forward passes of each batch an update runs (R-Drop's 2), the encoder's once with
+    `shared_encoder`. Tokens/s counts each
     corpus token once, so it is the speed through the corpus; MFU credits every pass."""
     i = plan.sizes.index(size.name)
     clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
     seconds = clock.seconds
     tokens = sum(b.ntokens for b in timed)
-    flops = passes * sum(train_flops(b, size, data.tgt_vocab) for b in timed)
+    flops = sum(train_flops(b, size, data.tgt_vocab, passes, shared_encoder) for b in timed)
     row = {"size": size.name, "key": key, "row": label, "dtype": dtype, "updates": len(timed),
            "seconds": round(seconds, 3), "target_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
            "flops_per_token": round(flops / tokens), "mfu": round(flops / seconds / (peak * 1e9), 4),
@@ -349,6 +358,8 @@ TRAIN_ROWS = (  # key, label, model, batches, bf16
     ("s", "e with R-Drop", "ours rdrop", "token batches", True),
     ("t", "c, glibc's malloc defaults", "ours malloc defaults", "token batches", False),
     ("u", "e, glibc's malloc defaults", "ours malloc defaults", "token batches", True),
+    ("v", "r with a shared encoder", "ours rdrop shared", "token batches", False),
+    ("w", "s with a shared encoder", "ours rdrop shared", "token batches", True),
 )
 
 
@@ -359,13 +370,14 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         dtype = "bf16" if bf16 else "fp32"
         if dtype not in peaks:
             continue
-        rdrop = RDROP if model == "ours rdrop" else 0.0
+        rdrop = RDROP if model.startswith("ours rdrop") else 0.0
+        shared = model == "ours rdrop shared"
         keep_freed_memory(model not in ("baseline", "ours malloc defaults"))  # as training does; the seed does not
         step = (baseline_step(data, size) if model == "baseline"
-                else ours_step(data, size, bf16, model == "ours default kernel", rdrop))
-        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1))
+                else ours_step(data, size, bf16, model == "ours default kernel", rdrop, shared))
+        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1, shared))
     keep_freed_memory()
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e", "t": "c", "u": "e"})
+    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e", "t": "c", "u": "e", "v": "r", "w": "s"})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

@@ -37,6 +37,22 @@ def test_output_shapes():
     assert model.step(state, torch.full((3,), BOS)).shape == (3, V_TGT)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "packed"])
+def test_copies_decode_one_encoding_of_the_source(padded):
+    model = _model(tie=True)
+    src, tgt = _tokens(4, 9, V_SRC, 1), _tokens(4, 6, V_SRC, 2)
+    if padded:  # mostly padding: both sides run packed (transformer.packing)
+        src[:, 3:], tgt[:, 2:] = PAD, PAD
+    encoded = []
+    model.encoder.register_forward_hook(lambda module, args, out: encoded.append(len(out)))
+    copied = model(src, tgt, copies=2)
+    assert encoded == [4 * 3 if padded else 4]  # the source of one copy (packed: its real tokens), once
+    assert torch.allclose(copied, model(src.repeat(2, 1), tgt.repeat(2, 1)), atol=1e-6)
+    model.train()
+    copied = model(src, tgt, copies=2)
+    assert not torch.allclose(copied[:4], copied[4:])  # each copy draws its own decoder dropout
+
+
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_incremental_decoding_equals_the_full_pass(norm):
     model = _model(norm)

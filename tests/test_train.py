@@ -93,15 +93,20 @@ def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, voca
 def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_dir):
     from transformer.train import train
 
-    def trained(name: str, rdrop: float) -> dict:
-        params = params_from_dict(tiny_params(**{"train.epochs": 3, "train.rdrop": rdrop, "model.dropout": 0.1}))
+    def trained(name: str, rdrop: float, shared_encoder: bool = False) -> dict:
+        params = params_from_dict(tiny_params(**{"train.epochs": 3, "train.rdrop": rdrop, "model.dropout": 0.1,
+                                                 "train.rdrop_shared_encoder": shared_encoder}))
         summary = train(params, vocab_dir, train_outputs(tmp_path / name))
         assert summary["val_loss"] < 4.0  # nats per token: it learns (uniform over the toy vocabulary: ~4.8)
         return _final_weights(tmp_path / name)
 
     rdrop, again, one_pass = trained("rdrop", 5.0), trained("again", 5.0), trained("one_pass", 0.0)
+    shared, shared_again = trained("shared", 5.0, True), trained("shared_again", 5.0, True)
     assert all(torch.equal(rdrop[k], again[k]) for k in rdrop)
+    assert all(torch.equal(shared[k], shared_again[k]) for k in shared)
     assert not all(torch.equal(rdrop[k], one_pass[k]) for k in rdrop)
+    assert not all(torch.equal(shared[k], rdrop[k]) for k in rdrop)
+    assert not all(torch.equal(shared[k], one_pass[k]) for k in rdrop)
 
 
 def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir, monkeypatch):

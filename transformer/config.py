@@ -70,6 +70,7 @@ class TrainConfig:
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
     rdrop_from: float  # the fraction of the planned updates after which R-Drop starts; 0: from the first update
+    rdrop_shared_encoder: bool  # true: R-Drop's two passes share one encoder pass and differ in the decoder's dropout alone
     precision: str
     compile: bool
     save_every: int

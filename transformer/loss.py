@@ -27,13 +27,17 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
 
 
 def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdrop: float = 0.0,
-               zero_pad: bool = False) -> torch.Tensor:
+               zero_pad: bool = False, shared_encoder: bool = False) -> torch.Tensor:
     """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its
     DDP wrapper) on the batch, then `model`'s generator. With rdrop > 0, R-Drop's, from two passes
-    of the batch in one forward (each row draws its own dropout)."""
+    of the batch in one forward (each row draws its own dropout); with `shared_encoder`, the two
+    passes decode one encoding of the source and differ in the decoder's dropout alone."""
     if not rdrop:
         return token_loss(model, forward(batch.src, batch.tgt_in), batch.tgt_out, pad, smoothing, zero_pad)
-    hidden = forward(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
+    if shared_encoder:
+        hidden = forward(batch.src, batch.tgt_in, copies=2)
+    else:
+        hidden = forward(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
     return rdrop_loss(model, hidden, batch.tgt_out, pad, smoothing, rdrop, zero_pad)
 
 

@@ -108,7 +108,8 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"
                                + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
                                + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
-                               + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")],
+                               + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")
+                               + (" on one encoder pass" if t.rdrop and t.rdrop_shared_encoder else "")],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],
             *([["ensemble", f"{t.members} models, seeds {', '.join(map(str, t.member_seeds()))}: their next-token "
                             f"probabilities averaged in beam search"]] if t.members > 1 else []),

@@ -543,7 +543,8 @@ class _Loop:
     def _loss(self, batch) -> torch.Tensor:
         """loss.batch_loss with this run's smoothing and R-Drop params."""
         p = self.p
-        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, self._rdrop(), p.smoothing_zeroes_pad)
+        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, self._rdrop(), p.smoothing_zeroes_pad,
+                          p.rdrop_shared_encoder)
 
     def _rdrop(self) -> float:
         """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the

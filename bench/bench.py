@@ -1,6 +1,6 @@
 """Speed of the project's model against the seed-style baseline, side by side in one process.
 
-Run from the repository root (about 7 minutes on 2 cores; --quick: about 1 minute, small size only):
+Run from the repository root (about 11 minutes on 2 cores; --quick: about 1.5 minutes, small size only):
 
     python bench/bench.py [--quick] [--vocab-dir data/vocab] [--out reports/bench.json]
 

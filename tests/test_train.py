@@ -114,9 +114,9 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
 
     alphas = []
 
-    def recording(forward, model, batch, pad, smoothing, rdrop=0.0, zero_pad=False):
+    def recording(forward, model, batch, pad, smoothing, rdrop=0.0, *rest):
         alphas.append(rdrop)
-        return batch_loss(forward, model, batch, pad, smoothing, rdrop, zero_pad)
+        return batch_loss(forward, model, batch, pad, smoothing, rdrop, *rest)
 
     batch_loss = train_module.batch_loss
     monkeypatch.setattr(train_module, "batch_loss", recording)

@@ -156,6 +156,8 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("train", "rdrop", -1.0),
         ("train", "rdrop_from", 1.0),
         ("train", "rdrop_from", -0.2),
+        ("model", "word_dropout", 1.0),
+        ("model", "word_dropout", -0.1),
     ],
 )
 def test_out_of_range_value_is_rejected_by_key(section, key, value):

@@ -165,6 +165,29 @@ def test_dropout_is_active_in_training_and_off_in_eval():
         assert not torch.equal(model(src, tgt), model(src, tgt))
 
 
+def test_word_dropout_hides_source_tokens_in_training_only():
+    torch.manual_seed(0)
+    model = make_model(V_SRC, V_TGT, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False,
+                       pad=PAD, word_dropout=0.5)
+    src, tgt = _tokens(4, 30, V_SRC, 17), _tokens(4, 6, V_TGT, 18)
+    mask = model.src_mask(src)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(src, tgt), model(src, tgt))  # eval: no word dropout
+        model.train()
+        torch.manual_seed(3)
+        memory = model.encode(src, mask)
+        torch.manual_seed(3)
+        assert torch.equal(model.encode(src, mask), memory)  # the masks follow the seed
+        torch.manual_seed(3)
+        kept = torch.rand(src.shape) >= 0.5  # the draw encode made
+        hidden = src.masked_fill(~kept, 0)  # <s>, whose embedding is zeroed by hand below
+        model.src_embed.lut.weight[0] = 0.0
+        torch.testing.assert_close(model.encoder(model.position(model.src_embed(hidden)), mask), memory)
+        assert 0.3 < kept.float().mean() < 0.7
+        model.word_dropout = 0.0
+        assert torch.equal(model(src, tgt), model.eval()(src, tgt))  # off: training without dropout is eval
+
+
 def test_make_model_initializes_matrices_xavier_uniform():
     model = make_model(V_SRC, V_TGT, N=1, d_model=16, d_ff=32, h=2, dropout=0.1, norm="post", tie_embeddings=False, pad=PAD)
     weight = model.encoder.layers[0].ff.w_1.weight  # (d_ff, d_model)

@@ -49,6 +49,7 @@ class ModelConfig:
     dropout: float
     attn_dropout: float  # on attention weights (the Annotated Transformer's; not in the paper)
     ff_dropout: float  # inside the feed-forward layer, after the ReLU (likewise)
+    word_dropout: float  # chance of zeroing each source token's embedding in training
     norm: str
     tie_embeddings: bool
 
@@ -155,8 +156,8 @@ POSITIVE = {
 }
 NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
                 "train.rdrop", "decode.max_len_extra", "decode.alpha"}
-FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "train.label_smoothing", "train.cooldown",
-             "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
+FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "model.word_dropout", "train.label_smoothing",
+             "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option

@@ -49,9 +49,9 @@ def _rows(cache: Cache, index: torch.Tensor) -> Cache:
 class Transformer(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
                  dropout: float, norm: str, tie_embeddings: bool, pad: int, attn_dropout: float = 0.0,
-                 ff_dropout: float = 0.0):
+                 ff_dropout: float = 0.0, word_dropout: float = 0.0):
         super().__init__()
-        self.pad = pad
+        self.pad, self.word_dropout = pad, word_dropout
         drops = (dropout, norm, attn_dropout, ff_dropout)
         self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
         self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
@@ -67,8 +67,13 @@ class Transformer(nn.Module):
         return (src != self.pad)[:, None, None, :]  # (B, 1, 1, S): True where a key may be attended
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
-        """Memory (B, S, d_model), or (n, d_model) with a packing of src."""
-        x = self.position(self.src_embed(src))  # (B, S, d_model)
+        """Memory (B, S, d_model), or (n, d_model) with a packing of src. In training, word dropout
+        zeroes each source token's embedding with chance `word_dropout`, unscaled: its position is
+        still encoded, its identity is not."""
+        x = self.src_embed(src)  # (B, S, d_model)
+        if self.training and self.word_dropout:
+            x = x * (torch.rand(src.shape, device=src.device) >= self.word_dropout).unsqueeze(-1).to(x.dtype)
+        x = self.position(x)
         x = self.dropout(x if packing is None else packing.pack(x))
         return self.encoder(x, src_mask, packing)
 
@@ -123,12 +128,13 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
-               tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0) -> Transformer:
+               tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0,
+               word_dropout: float = 0.0) -> Transformer:
     """Builds the model from hyperparameters (params.yaml's `model` section; `pad`, the vocabulary's
-    padding id), Xavier-uniform on every matrix. The two extra dropouts default to 0, as in model
+    padding id), Xavier-uniform on every matrix. The three extra dropouts default to 0, as in model
     files written before they existed."""
     model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad,
-                        attn_dropout, ff_dropout)
+                        attn_dropout, ff_dropout, word_dropout)
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
@@ -200,7 +206,7 @@ def _checked_args(config: Any, source: str) -> dict[str, Any]:
             raise DataError(f"{source}: model config '{key}' = {value!r} is not {kind}")
     ok = (1 <= c["N"] <= MAX_LAYERS and all(c[k] > 0 for k in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h"))
           and c["d_model"] % c["h"] == 0 and c["d_model"] % 2 == 0 and c["norm"] in ("post", "pre")
-          and all(0 <= c[k] < 1 for k in ("dropout", "attn_dropout", "ff_dropout"))
+          and all(0 <= c[k] < 1 for k in ("dropout", "attn_dropout", "ff_dropout", "word_dropout"))
           and 0 <= c["pad"] < min(c["src_vocab"], c["tgt_vocab"]))
     if not ok:
         raise DataError(f"{source}: model config out of range: {config}; expected N in [1, {MAX_LAYERS}], positive "

@@ -106,6 +106,9 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
             ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"
                          + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
             ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"
+                               + (f", attention dropout {p.model.attn_dropout}" if p.model.attn_dropout else "")
+                               + (f", feed-forward dropout {p.model.ff_dropout}" if p.model.ff_dropout else "")
+                               + (f", source word dropout {p.model.word_dropout}" if p.model.word_dropout else "")
                                + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
                                + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
                                + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")

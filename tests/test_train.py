@@ -222,7 +222,8 @@ def uninterrupted(tmp_path_factory):
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
-    params = write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1})
+    # Both dropouts draw from torch's generator, which a checkpoint must carry for the resumed run to repeat them.
+    params = write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1, "model.word_dropout": 0.1})
     run([sys.executable] + train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test
     return params, tmp / "vocab", tmp / "out"
 

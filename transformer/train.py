@@ -285,10 +285,8 @@ def patience_spent(bleus: list[float], patience: int) -> bool:
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
-    m = params.model
-    return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "N": m.N, "d_model": m.d_model, "d_ff": m.d_ff,
-            "h": m.h, "dropout": m.dropout, "norm": m.norm, "tie_embeddings": m.tie_embeddings, "pad": PAD,
-            "attn_dropout": m.attn_dropout, "ff_dropout": m.ff_dropout, "word_dropout": m.word_dropout}
+    # The model section's keys are make_model's argument names.
+    return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "pad": PAD} | dataclasses.asdict(params.model)
 
 
 def _resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist) -> Progress:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import transformer.loss
 from transformer.loss import _RDrop, rdrop_loss, token_loss
 from transformer.model import make_model
 
@@ -107,3 +108,28 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
     logits = generator(hidden.detach().flatten(0, 1)).detach().requires_grad_()
     target = tgt_out.flatten().repeat(2)
     assert torch.autograd.gradcheck(lambda z: _RDrop.apply(z, target, PAD, smoothing, 5.0, zero_pad), (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_pad", [False, True])
+def test_rdrop_loss_in_blocks_is_bit_for_bit_the_loss_in_one(monkeypatch, dtype, zero_pad):
+    """On a CPU the loss works on a block of rows at a time (for speed): its value and gradient
+    must be those of one block of every row, to the bit, in the logits' dtype."""
+    torch.manual_seed(0)
+    vocab, n = 50, 23
+    logits = (3 * torch.randn(2 * n, vocab)).to(dtype)
+    target = torch.randint(3, vocab, (n,)).repeat(2)
+    target[[4, n + 4]] = PAD
+
+    def run(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(transformer.loss, "_BLOCK", block)
+        x = logits.clone().requires_grad_()
+        loss = _RDrop.apply(x, target, PAD, 0.1, 5.0, zero_pad)
+        (loss / 17).backward()
+        return loss, x.grad
+
+    whole, blocked = run(1 << 40), run(5 * vocab)  # blocks of 5 pairs: four whole ones and one of 3
+    assert blocked[1].dtype == dtype and float(blocked[1].abs().sum()) > 0
+    assert float(blocked[1][[4, n + 4]].abs().max()) == 0.0  # the pad rows
+    assert torch.equal(whole[0], blocked[0])
+    assert torch.equal(whole[1], blocked[1])

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
+
 
 def token_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int,
                smoothing: float, zero_pad: bool = False) -> torch.Tensor:
@@ -22,7 +24,7 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     symmetric KL divergence between their next-token distributions. That is the paper's objective
     (both cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
     scale of one pass and alpha means what the paper's does."""
-    logits, target = _projected(model, hidden, tgt_out.repeat(2, 1), pad)  # one projection: the first pass's rows, then the second's
+    logits, target = _projected(model, hidden, tgt_out.repeat(2, 1), pad, cast=False)  # one projection: the first pass's rows, then the second's
     return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
 
 
@@ -42,7 +44,7 @@ def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdr
 
 
 class _RDrop(torch.autograd.Function):
-    """R-Drop's loss from the logits (2n, V) with its gradient written out, in place where it can be.
+    """R-Drop's loss from the logits (2n, V) with its gradient written out, a few pairs of rows at a time.
 
     Left to autograd, the same formula keeps about a dozen (n, V) intermediates and runs the
     log-softmax twice; over a 6k vocabulary they cost as much as the generator's matmuls.
@@ -50,55 +52,83 @@ class _RDrop(torch.autograd.Function):
 
         loss = sum over kept rows of ce / 2, plus alpha / 4 times sum over kept pairs of <dP, dl>
         d loss / d lp1 = alpha / 4 (P1 dl + dP) - (the smoothed target) / 2,  likewise for lp2 with dl, dP negated
-        d loss / d logits = g - P * sum(g)  (the log-softmax's backward, per row)"""
+        d loss / d logits = g - P * sum(g)  (the log-softmax's backward, per row)
+
+    Every step is per row, so the forward computes that gradient too, a block of rows at a
+    time: their intermediates stay in the CPU's cache instead of crossing memory once per
+    step, and only the gradient is kept for the backward. Rows are computed alike in a block
+    or whole, so the gradient is bit for bit what the whole tensor's steps give."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float,
                 zero_pad: bool) -> torch.Tensor:
-        lp = logits.log_softmax(-1)  # (2n, V)
-        prob = lp.exp()
-        (lp1, lp2), (p1, p2) = lp.chunk(2), prob.chunk(2)
-        dl, dp = lp1 - lp2, p1 - p2
-        kl = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1), (n,)
+        n, vocab = logits.size(0) // 2, logits.size(1)
         keep = target != pad  # (2n,), the same for both halves
-        ce = _smoothed_nll(lp, target, pad, smoothing, zero_pad)
-        ctx.save_for_backward(prob, dl, dp, target, keep)
-        ctx.pad, ctx.smoothing, ctx.alpha, ctx.zero_pad = pad, smoothing, alpha, zero_pad
-        return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep.chunk(2)[0], 0.0).sum()
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits (autocast) are worked on in float32
+        ce, kl = logits.new_empty(2 * n, dtype=dtype), logits.new_empty(n, dtype=dtype)
+        g = logits.new_empty(2 * n, vocab, dtype=dtype)  # d loss / d logits, before the incoming gradient
+        pairs = _block_rows(logits[:n])
+        for start in range(0, n, pairs):
+            rows = (slice(start, min(start + pairs, n)), slice(n + start, n + min(start + pairs, n)))
+            lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
+            p1, p2 = lp1.exp(), lp2.exp()
+            dl, dp = lp1 - lp2, p1 - p2
+            kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
+            for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
+                ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
+                _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+        ctx.save_for_backward(g)
+        ctx.dtype = logits.dtype
+        return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep[:n], 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        prob, dl, dp, target, keep = ctx.saved_tensors
-        pad, smoothing, alpha = ctx.pad, ctx.smoothing, ctx.alpha
-        g = torch.empty_like(prob)  # d loss / d lp, then d loss / d logits
-        (g1, g2), (p1, p2) = g.chunk(2), prob.chunk(2)
-        torch.addcmul(dp, p1, dl, out=g1)
-        torch.addcmul(dp, p2, dl, out=g2)
-        g2.neg_()
-        g.mul_(alpha / 4)
-        # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
-        spread = smoothing / (g.size(-1) - 2 if ctx.zero_pad else g.size(-1))
-        g.sub_(spread / 2)
-        if ctx.zero_pad:
-            g[:, pad] += spread / 2
-        gold = (spread if ctx.zero_pad else 0.0) - (1 - smoothing)  # with zero_pad the gold column has no spread
-        g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold / 2))
-        g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
-        g.masked_fill_(~keep[:, None], 0.0)
-        return g.mul_(grad), None, None, None, None, None
+        g, = ctx.saved_tensors
+        out, rows = torch.empty_like(g, dtype=ctx.dtype), _block_rows(g)
+        for start in range(0, g.size(0), rows):  # block by block: each is read from memory once
+            out[start:start + rows] = g[start:start + rows] * grad  # g itself is kept: a graph may be run backward twice
+        return out, None, None, None, None, None
 
 
-def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The generator's logits (n, V), in float32, and their targets (n,).
+def _block_rows(x: torch.Tensor) -> int:
+    """Rows of x (m, V) per block of R-Drop's loss: all of them off the CPU, where a loop of small
+    kernels would only add launches."""
+    return max(1, _BLOCK // x.size(1)) if x.device.type == "cpu" else max(1, x.size(0))
+
+
+def _rdrop_gradient(g: torch.Tensor, prob: torch.Tensor, dl: torch.Tensor, dp: torch.Tensor, sign: float,
+                    target: torch.Tensor, keep: torch.Tensor, pad: int, smoothing: float, alpha: float,
+                    zero_pad: bool) -> None:
+    """Writes into g (m, V) d loss / d logits for m rows of one pass (sign 1: the first, -1: the second)."""
+    torch.addcmul(dp, prob, dl, out=g)
+    if sign < 0:
+        g.neg_()
+    g.mul_(alpha / 4)
+    # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
+    spread = smoothing / (g.size(-1) - 2 if zero_pad else g.size(-1))
+    g.sub_(spread / 2)
+    if zero_pad:
+        g[:, pad] += spread / 2
+    gold = (spread if zero_pad else 0.0) - (1 - smoothing)  # with zero_pad the gold column has no spread
+    g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold / 2))
+    g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
+    g.masked_fill_(~keep[:, None], 0.0)
+
+
+def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int,
+               cast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generator's logits (n, V), in float32 (with `cast`; else in the generator's dtype), and their targets (n,).
 
     On a CPU only the non-pad positions go through the generator: padding costs no vocabulary
     projection. Elsewhere every position does and the pad ones are ignored: selecting them
     (a boolean mask sizes its result by a count only the device knows) would make the
     host wait for the device on every micro-batch."""
     if hidden.device.type != "cpu":
-        return model.generator(hidden).float().flatten(0, -2), tgt_out.flatten()
-    keep = tgt_out != pad
-    return model.generator(hidden[keep]).float(), tgt_out[keep]
+        logits, target = model.generator(hidden).flatten(0, -2), tgt_out.flatten()
+    else:
+        keep = tgt_out != pad
+        logits, target = model.generator(hidden[keep]), tgt_out[keep]
+    return (logits.float() if cast else logits), target
 
 
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float,

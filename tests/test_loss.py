@@ -133,3 +133,15 @@ def test_rdrop_loss_in_blocks_is_bit_for_bit_the_loss_in_one(monkeypatch, dtype,
     assert float(blocked[1][[4, n + 4]].abs().max()) == 0.0  # the pad rows
     assert torch.equal(whole[0], blocked[0])
     assert torch.equal(whole[1], blocked[1])
+
+
+def test_rdrop_loss_under_autocast_is_its_float32_value():
+    """Autocast computes vecdot in bf16; the KL term of the reported loss must not be rounded so."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2 * 30, 500)).to(torch.bfloat16)
+    target = torch.randint(3, 500, (30,)).repeat(2)
+    plain = _RDrop.apply(logits.float(), target, PAD, 0.1, 5.0, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _RDrop.apply(logits, target, PAD, 0.1, 5.0, False)
+    assert autocast.dtype == torch.float32
+    assert torch.equal(autocast, plain)

@@ -68,15 +68,16 @@ class _RDrop(torch.autograd.Function):
         ce, kl = logits.new_empty(2 * n, dtype=dtype), logits.new_empty(n, dtype=dtype)
         g = logits.new_empty(2 * n, vocab, dtype=dtype)  # d loss / d logits, before the incoming gradient
         pairs = _block_rows(logits[:n])
-        for start in range(0, n, pairs):
-            rows = (slice(start, min(start + pairs, n)), slice(n + start, n + min(start + pairs, n)))
-            lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
-            p1, p2 = lp1.exp(), lp2.exp()
-            dl, dp = lp1 - lp2, p1 - p2
-            kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
-            for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
-                ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
-                _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+        with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
+            for start in range(0, n, pairs):
+                rows = (slice(start, min(start + pairs, n)), slice(n + start, n + min(start + pairs, n)))
+                lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
+                p1, p2 = lp1.exp(), lp2.exp()
+                dl, dp = lp1 - lp2, p1 - p2
+                kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
+                for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
+                    ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
+                    _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
         ctx.save_for_backward(g)
         ctx.dtype = logits.dtype
         return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep[:n], 0.0).sum()

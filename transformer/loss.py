@@ -70,7 +70,8 @@ class _RDrop(torch.autograd.Function):
         pairs = _block_rows(logits[:n])
         with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
             for start in range(0, n, pairs):
-                rows = (slice(start, min(start + pairs, n)), slice(n + start, n + min(start + pairs, n)))
+                stop = min(start + pairs, n)
+                rows = (slice(start, stop), slice(n + start, n + stop))  # the pairs' rows in the first pass, then the second
                 lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
                 p1, p2 = lp1.exp(), lp2.exp()
                 dl, dp = lp1 - lp2, p1 - p2

@@ -1,18 +1,18 @@
 """What blocking R-Drop's loss buys on a CPU: its loss alone and whole R-Drop updates, with the
 loss worked on whole (one block of every row) against blocks of transformer.loss._BLOCK values.
 
-Run from the repository root (about 2 minutes on 2 cores):
+Run from the repository root (under a minute on 2 cores):
 
     python bench/rdrop_loss.py [--vocab-dir data/vocab] [--reps 5]
 
 The batches are bench.py's token batches (train.max_tokens of params.yaml) of the corpus in
 --vocab-dir, else of its synthetic Multi30k-like one; the model is bench.py's small size (the
 default recipe's), R-Drop α 5, bf16 where the CPU has it, else fp32. The loss rows time its
-forward and backward on the generator's logits of one batch's two passes (float32 logits cast
-from bf16, as under autocast); the update rows time bench.py's update. Each way runs after a
-warm-up, the ways alternating rep by rep in one process, freed memory kept for reuse as
-training keeps it; medians are printed. Both ways give
-the same gradient bit for bit (tests/test_loss.py), so only the time differs.
+forward and backward on random logits of one batch's two passes, in the dtype the generator
+gives them under autocast; the update rows time bench.py's update. The ways take turns call by
+call in one process, after a warm-up, with freed memory kept for reuse as training keeps it;
+medians are printed. Both ways give the same gradient bit for bit (tests/test_loss.py), so
+only the time differs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -38,28 +39,37 @@ BLOCKS = {"whole": WHOLE} | {f"2^{k}": 1 << k for k in (15, 16, 17, 18, 19, 20)}
 DEFAULT = transformer.loss._BLOCK  # training's
 
 
-def median_ms(run, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def alternating_ms(runs: dict[str, Callable[[int], None]], warmup: int, reps: int) -> dict[str, float]:
+    """The median milliseconds of each run over `reps` calls, the runs taking turns call by call
+    after `warmup` untimed calls each; a run gets its call's index."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(warmup + reps):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
-def loss_run(logits: torch.Tensor, target: torch.Tensor, block: int):
-    def run() -> None:
-        transformer.loss._BLOCK = block
-        x = logits.detach().requires_grad_()
-        loss = transformer.loss._RDrop.apply(x, target, PAD, bench.PARAMS.train.label_smoothing, 5.0, False)
-        (loss / len(target)).backward()
-    return run
+def print_rows(title: str, ms: dict[str, float]) -> None:
+    print(title)
+    for name, m in ms.items():
+        print(f"  {name:>9} {m:8.1f}   {ms['whole'] / m:.2f}× whole's speed")
+
+
+def rdrop_loss(logits: torch.Tensor, target: torch.Tensor, block: int) -> None:
+    """Forward and backward of R-Drop's loss in blocks of `block` values."""
+    transformer.loss._BLOCK = block
+    x = logits.detach().requires_grad_()
+    loss = transformer.loss._RDrop.apply(x, target, PAD, bench.PARAMS.train.label_smoothing, 5.0, False)
+    (loss / len(target)).backward()
 
 
 @click.command()
 @click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
-@click.option("--reps", type=int, default=5, show_default=True, help="Timed runs of each way, alternating.")
+@click.option("--reps", type=int, default=5, show_default=True, help="Timed calls of each way, taking turns.")
 def main(vocab_dir: Path | None, reps: int) -> None:
     """Prints milliseconds per loss and per update, whole and blocked; see the module docstring."""
     keep_freed_memory()  # as training does
@@ -67,41 +77,30 @@ def main(vocab_dir: Path | None, reps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = bench.load_data(vocab_dir, Path(tmp))
         batches = bench.training_batches(data.corpus, 2 + reps)["token batches"]
-    size = bench.SIZES["small"]
     print(f"{data.origin}; {'bf16' if bf16 else 'fp32'}; {torch.get_num_threads()} threads")
 
     batch = batches[0]
     target = batch.tgt_out[batch.tgt_out != PAD].repeat(2)
     g = torch.Generator().manual_seed(bench.SEED)
     logits = (3 * torch.randn(len(target), data.tgt_vocab, generator=g)).to(torch.bfloat16 if bf16 else torch.float32)
-    runs = {name: loss_run(logits, target, block) for name, block in BLOCKS.items()}
-    for run in runs.values():
-        run()  # warm-up
-    loss = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            loss[name].append(median_ms(run, 1))
-    print(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):")
-    for name, times in loss.items():
-        ms = statistics.median(times)
-        print(f"  {name:>6} {ms:8.1f}   {statistics.median(loss['whole']) / ms:.2f}× whole's speed")
+    ms = alternating_ms({name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
+                        warmup=1, reps=reps)
+    print_rows(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):", ms)
 
-    updates = {}
-    blocks = {"whole": WHOLE, f"{DEFAULT:,}": DEFAULT}
+    size, blocks = bench.SIZES["small"], {"whole": WHOLE, f"{DEFAULT:,}": DEFAULT}
+    steps = {}
     for name, block in blocks.items():
         transformer.loss._BLOCK = block
-        updates[name] = (bench.ours_step(data, size, bf16, rdrop=5.0), [])
-        for b in batches[:2]:
-            updates[name][0](b)  # warm-up
-    for b in batches[2:]:
-        for name, (step, times) in updates.items():
+        steps[name] = bench.ours_step(data, size, bf16, rdrop=5.0)
+
+    def update(name: str) -> Callable[[int], None]:
+        def run(i: int) -> None:
             transformer.loss._BLOCK = blocks[name]
-            times.append(median_ms(lambda: step(b), 1))
-    print(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:")
-    whole = statistics.median(updates["whole"][1])
-    for name, (_, times) in updates.items():
-        ms = statistics.median(times)
-        print(f"  {name:>9} {ms:8.1f}   {whole / ms:.2f}× whole's speed")
+            steps[name](batches[i])
+        return run
+
+    ms = alternating_ms({name: update(name) for name in blocks}, warmup=2, reps=reps)
+    print_rows(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms)
 
 
 if __name__ == "__main__":

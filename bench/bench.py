@@ -347,37 +347,54 @@ def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch]
 
 
 RDROP = 5.0  # the alpha of the R-Drop preset (params/multi30k_en_de_rdrop.yaml); its cost does not depend on it
-TRAIN_ROWS = (  # key, label, model, batches, bf16
-    ("a", "ours, 256 sentences", "ours", "256 sentences", False),
-    ("b", "baseline, 256 sentences", "baseline", "256 sentences", False),
-    ("c", "ours, token batches", "ours", "token batches", False),
-    ("d", "baseline, seed recipe", "baseline", "seed recipe", False),
-    ("e", "ours, token batches, bf16", "ours", "token batches", True),
-    ("f", "e with torch's default kernel", "ours default kernel", "token batches", True),
-    ("r", "c with R-Drop", "ours rdrop", "token batches", False),
-    ("s", "e with R-Drop", "ours rdrop", "token batches", True),
-    ("t", "c, glibc's malloc defaults", "ours malloc defaults", "token batches", False),
-    ("u", "e, glibc's malloc defaults", "ours malloc defaults", "token batches", True),
-    ("v", "r with a shared encoder", "ours rdrop shared", "token batches", False),
-    ("w", "s with a shared encoder", "ours rdrop shared", "token batches", True),
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One training row: what it runs, and the row its speed is compared with (`vs`)."""
+    key: str
+    label: str
+    batches: str  # a key of training_batches
+    bf16: bool = False
+    vs: str | None = None
+    baseline: bool = False  # the seed's model and update instead of ours
+    default_kernel: bool = False  # torch's attention kernel choice instead of training's
+    rdrop: bool = False
+    shared_encoder: bool = False  # with rdrop: one encoder pass for both
+    malloc_defaults: bool = False  # glibc's defaults instead of training's kept freed memory
+
+
+TRAIN_ROWS = (
+    TrainRow("a", "ours, 256 sentences", "256 sentences", vs="b"),
+    TrainRow("b", "baseline, 256 sentences", "256 sentences", baseline=True),
+    TrainRow("c", "ours, token batches", "token batches", vs="d"),
+    TrainRow("d", "baseline, seed recipe", "seed recipe", baseline=True),
+    TrainRow("e", "ours, token batches, bf16", "token batches", bf16=True, vs="d"),
+    TrainRow("f", "e with torch's default kernel", "token batches", bf16=True, vs="d", default_kernel=True),
+    TrainRow("r", "c with R-Drop", "token batches", vs="c", rdrop=True),
+    TrainRow("s", "e with R-Drop", "token batches", bf16=True, vs="e", rdrop=True),
+    TrainRow("t", "c, glibc's malloc defaults", "token batches", vs="c", malloc_defaults=True),
+    TrainRow("u", "e, glibc's malloc defaults", "token batches", bf16=True, vs="e", malloc_defaults=True),
+    TrainRow("v", "r with a shared encoder", "token batches", vs="r", rdrop=True, shared_encoder=True),
+    TrainRow("w", "s with a shared encoder", "token batches", bf16=True, vs="s", rdrop=True, shared_encoder=True),
 )
 
 
 def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -> list[dict[str, Any]]:
     batches = training_batches(data.corpus, MAX_BATCHES)
     rows = []
-    for key, label, model, kind, bf16 in TRAIN_ROWS:
-        dtype = "bf16" if bf16 else "fp32"
+    for row in TRAIN_ROWS:
+        dtype = "bf16" if row.bf16 else "fp32"
         if dtype not in peaks:
             continue
-        rdrop = RDROP if model.startswith("ours rdrop") else 0.0
-        shared = model == "ours rdrop shared"
-        keep_freed_memory(model not in ("baseline", "ours malloc defaults"))  # as training does; the seed does not
-        step = (baseline_step(data, size) if model == "baseline"
-                else ours_step(data, size, bf16, model == "ours default kernel", rdrop, shared))
-        rows.append(train_row(key, label, dtype, step, batches[kind], size, data, plan, peaks[dtype], 2 if rdrop else 1, shared))
+        rdrop = RDROP if row.rdrop else 0.0
+        keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
+        step = (baseline_step(data, size) if row.baseline
+                else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder))
+        rows.append(train_row(row.key, row.label, dtype, step, batches[row.batches], size, data, plan, peaks[dtype],
+                              2 if rdrop else 1, row.shared_encoder))
     keep_freed_memory()
-    return compare(rows, {"a": "b", "c": "d", "e": "d", "f": "d", "r": "c", "s": "e", "t": "c", "u": "e", "v": "r", "w": "s"})
+    return compare(rows, {row.key: row.vs for row in TRAIN_ROWS if row.vs})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:

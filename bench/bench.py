@@ -259,18 +259,19 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
 
 
 def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0,
-              shared_encoder: bool = False) -> Step:
+              shared_encoder: bool = False, device: torch.device = torch.device("cpu")) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
-    `default_kernel` leaves the attention backend to torch instead of training's choice;
-    `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as training does, over
-    one encoder pass with `shared_encoder`."""
-    model = ours_model(data, size).train()
+    `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
+    of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
+    training does, over one encoder pass with `shared_encoder`. Batches should be on `device`
+    already; the step does not wait for the device."""
+    model = ours_model(data, size).to(device).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     smoothing = PARAMS.train.label_smoothing
-    kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(torch.device("cpu"), bf16))
+    kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
 
     def step(batch: Batch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), kernels():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), kernels():
             loss = batch_loss(model, model, batch, PAD, smoothing, rdrop, shared_encoder=shared_encoder)
             (loss / batch.ntokens).backward()
         optimizer.step()

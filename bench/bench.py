@@ -76,6 +76,7 @@ import gc
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -286,6 +287,19 @@ def baseline_step(data: Data, size: Size) -> Step:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     criterion = baseline.LabelSmoothing(data.tgt_vocab, PAD, PARAMS.train.label_smoothing)
     return lambda b: baseline.train_step(model, criterion, optimizer, b.src, b.tgt_in, b.tgt_out, PAD)
+
+
+def alternating_ms(runs: dict[str, Callable[[int], None]], warmup: int, reps: int) -> dict[str, float]:
+    """The median milliseconds of each run over `reps` calls, the runs taking turns call by call
+    after `warmup` untimed calls each; a run gets its call's index."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(warmup + reps):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
 def busy_cpu_seconds() -> float:

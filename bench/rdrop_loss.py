@@ -17,10 +17,8 @@ only the time differs.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,19 +35,6 @@ from transformer.vocab import PAD  # noqa: E402
 WHOLE = 1 << 62  # a block larger than any batch: the loss in one piece
 BLOCKS = {"whole": WHOLE} | {f"2^{k}": 1 << k for k in (15, 16, 17, 18, 19, 20)}
 DEFAULT = transformer.loss._BLOCK  # training's
-
-
-def alternating_ms(runs: dict[str, Callable[[int], None]], warmup: int, reps: int) -> dict[str, float]:
-    """The median milliseconds of each run over `reps` calls, the runs taking turns call by call
-    after `warmup` untimed calls each; a run gets its call's index."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(warmup + reps):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run(i)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
 def print_rows(title: str, ms: dict[str, float]) -> None:
@@ -83,7 +68,7 @@ def main(vocab_dir: Path | None, reps: int) -> None:
     target = batch.tgt_out[batch.tgt_out != PAD].repeat(2)
     g = torch.Generator().manual_seed(bench.SEED)
     logits = (3 * torch.randn(len(target), data.tgt_vocab, generator=g)).to(torch.bfloat16 if bf16 else torch.float32)
-    ms = alternating_ms({name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
+    ms = bench.alternating_ms({name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
                         warmup=1, reps=reps)
     print_rows(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):", ms)
 
@@ -99,7 +84,7 @@ def main(vocab_dir: Path | None, reps: int) -> None:
             steps[name](batches[i])
         return run
 
-    ms = alternating_ms({name: update(name) for name in blocks}, warmup=2, reps=reps)
+    ms = bench.alternating_ms({name: update(name) for name in blocks}, warmup=2, reps=reps)
     print_rows(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from transformer import checkpoints
+from transformer.dropout import Dropout
 from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.io import DataError
 from transformer.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
         self.src_embed = Embeddings(src_vocab, d_model)
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.generator = nn.Linear(d_model, tgt_vocab, bias=False)  # pre-softmax projection (section 3.4)
         if tie_embeddings:
             self.generator.weight = self.tgt_embed.lut.weight

@@ -1,0 +1,83 @@
+"""Where a training update's time goes on this machine: torch.profiler over a few updates.
+
+Run from the repository root (under a minute on 2 cores):
+
+    python bench/update_profile.py [--vocab-dir data/vocab] [--rdrop 5.0] [--updates 4] [--rows 15]
+
+The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam;
+freed memory kept, as training keeps it) in bf16 where the CPU has it, else fp32, over the token
+batches of the corpus in --vocab-dir, else of bench.py's synthetic Multi30k-like one; --rdrop
+0 times the plain update. After --warmup untimed updates the profiler records --updates more.
+It prints the ops that took the most time of their own (self CPU time, each op's share of the
+whole) and those shares gathered by kind: the matmuls, dropout's masks, dtype casts and copies,
+and the rest.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
+
+KINDS = {  # op name -> kind; ops not named here are "the rest"
+    "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
+    "aten::bernoulli_": "dropout masks",
+    "aten::copy_": "casts and copies",
+}
+
+
+def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> dict[str, float]:
+    """Self CPU seconds of each op over the updates of batches[warmup:], recorded after the
+    first `warmup` updates."""
+    for batch in batches[:warmup]:
+        step(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches[warmup:]:
+            step(batch)
+    return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+
+
+def by_kind(times: dict[str, float]) -> dict[str, float]:
+    """Each kind's share of the whole time."""
+    total = sum(times.values())
+    shares = dict.fromkeys([*dict.fromkeys(KINDS.values()), "the rest"], 0.0)
+    for op, seconds in times.items():
+        shares[KINDS.get(op, "the rest")] += seconds / total
+    return shares
+
+
+@click.command()
+@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
+@click.option("--rdrop", type=click.FloatRange(min=0.0), default=5.0, show_default=True, help="R-Drop's α; 0: plain")
+@click.option("--updates", type=click.IntRange(min=1), default=4, show_default=True, help="Updates profiled.")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed updates first.")
+@click.option("--rows", type=click.IntRange(min=1), default=15, show_default=True, help="Ops listed.")
+def main(vocab_dir: Path | None, rdrop: float, updates: int, warmup: int, rows: int) -> None:
+    """Prints where an update's CPU time goes; see the module docstring."""
+    keep_freed_memory()  # as training does
+    bf16 = use_bf16("auto", torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        data = bench.load_data(vocab_dir, Path(tmp))
+        batches = bench.training_batches(data.corpus, warmup + updates)["token batches"]
+    step = bench.ours_step(data, bench.SIZES["small"], bf16, rdrop=rdrop)
+    times = op_times(step, batches, warmup)
+    total = sum(times.values())
+    print(f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}; {torch.get_num_threads()} threads; "
+          f"{updates} updates, {total / updates * 1e3:,.0f} ms of CPU time each")
+    for op, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"  {op:<40} {seconds / total:6.1%}")
+    print("by kind:", ", ".join(f"{kind} {share:.1%}" for kind, share in by_kind(times).items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Dropout (section 5.4) whose CPU masks are the same on every CPU, and cheap to draw.
+
+On a CPU, torch's dropout draws its mask with MKL's generator where the CPU is Intel's and
+else with its Mersenne Twister, one 64-bit draw a value, single-threaded: about an eighth of
+a training update here (bench/update_profile.py). These masks take 16 bits a value from the
+Twister's 64-bit draws (`random_` over the whole int64 range), so one draw serves four values,
+the same draws on every CPU; a value is dropped with p rounded to a multiple of 2^-16 and the
+kept ones scaled by the inverse of the rounded keep rate. On a GPU, torch's own fused dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_LEVELS = 1 << 16  # a mask value is 16 random bits
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """x with each value zeroed with chance p (to 2^-16) and the rest scaled to keep the mean."""
+    if not training or p == 0 or x.numel() == 0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, True)
+    dropped = min(round(p * _LEVELS), _LEVELS - 1)
+    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value
+    keep = bits.view(torch.int16)[:x.numel()].view(x.shape) >= dropped - _LEVELS // 2
+    return x * keep * (_LEVELS / (_LEVELS - dropped))
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

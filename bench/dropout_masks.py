@@ -32,7 +32,7 @@ import transformer.dropout  # noqa: E402
 from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
 
-WAYS = {"torch's": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.dropout.dropout}
+WAYS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.dropout.dropout}
 
 
 def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:

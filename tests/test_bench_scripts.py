@@ -1,0 +1,52 @@
+"""The scripts beside bench/bench.py run end to end, on its synthetic corpus and a tiny model;
+their timings are not checked, only that each row is measured and printed."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench  # noqa: E402
+import dropout_masks  # noqa: E402
+import rdrop_loss  # noqa: E402
+import update_profile  # noqa: E402
+
+import transformer.dropout  # noqa: E402
+import transformer.loss  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def tiny_model(monkeypatch):
+    monkeypatch.setitem(bench.SIZES, "small", bench.Size("small", N=1, d_model=16, d_ff=32, h=2))
+
+
+def run(main, args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_whole():
+    out = run(update_profile.main, ["--updates", "1", "--warmup", "1", "--rows", "40"])
+    assert "aten::mm" in out and "aten::random_" in out and "aten::bernoulli_" not in out  # our masks
+    assert "aten::bernoulli_" in run(update_profile.main, ["--masks", "torch", "--updates", "1", "--rows", "40"])
+    kinds = next(line for line in out.splitlines() if line.startswith("by kind:")).removeprefix("by kind:")
+    shares = {k.rsplit(" ", 1)[0].strip(): float(k.rsplit(" ", 1)[1].rstrip("%")) for k in kinds.split(",")}
+    assert list(shares) == ["matmuls", "dropout masks", "casts and copies", "the rest"]
+    assert shares["matmuls"] > 0 and sum(shares.values()) == pytest.approx(100, abs=0.3)
+
+
+def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model():
+    out = run(dropout_masks.main, ["--reps", "1"])
+    assert out.count("× torch's speed") == 6  # three rows, two ways
+    assert transformer.dropout.dropout is dropout_masks.WAYS["ours"]
+
+
+def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
+    monkeypatch.setattr(transformer.loss, "_BLOCK", transformer.loss._BLOCK)  # the script sets it
+    out = run(rdrop_loss.main, ["--reps", "1"])
+    assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2

@@ -302,6 +302,13 @@ def alternating_ms(runs: dict[str, Callable[[int], None]], warmup: int, reps: in
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
+def print_speeds(title: str, ms: dict[str, float], reference: str) -> None:
+    """alternating_ms's medians, each with its speed against the `reference` run's."""
+    print(title)
+    for name, m in ms.items():
+        print(f"  {name:>9} {m:8.1f}   {ms[reference] / m:.2f}× {reference}'s speed")
+
+
 def busy_cpu_seconds() -> float:
     """CPU seconds every process on the machine has run (Linux /proc/stat); 0 elsewhere."""
     stat = Path("/proc/stat")

@@ -43,12 +43,6 @@ def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
     return call
 
 
-def print_rows(title: str, ms: dict[str, float]) -> None:
-    print(title)
-    for way, m in ms.items():
-        print(f"  {way:>8} {m:8.1f}   {ms[next(iter(ms))] / m:.2f}× torch's speed")
-
-
 @click.command()
 @click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
@@ -70,12 +64,12 @@ def main(vocab_dir: Path | None, reps: int) -> None:
             transformer.dropout.dropout(x, 0.1).backward(torch.ones_like(x))
 
         ms = bench.alternating_ms({way: with_masks(way, one_dropout) for way in WAYS}, warmup=2, reps=10 * reps)
-        print_rows(f"one dropout of {tokens:,} × {size.d_model}, forward and backward (ms):", ms)
+        bench.print_speeds(f"one dropout of {tokens:,} × {size.d_model}, forward and backward (ms):", ms, "torch")
         for rdrop in (0.0, bench.RDROP):
             steps = {way: bench.ours_step(data, size, bf16, rdrop=rdrop) for way in WAYS}
             runs = {way: with_masks(way, lambda i, way=way: steps[way](batches[i])) for way in WAYS}
             ms = bench.alternating_ms(runs, warmup=2, reps=reps)
-            print_rows(f"updates of the {size.name} model, R-Drop α {rdrop} ({reps} batches, ms):", ms)
+            bench.print_speeds(f"updates of the {size.name} model, R-Drop α {rdrop} ({reps} batches, ms):", ms, "torch")
     finally:
         transformer.dropout.dropout = WAYS["ours"]
 

@@ -37,12 +37,6 @@ BLOCKS = {"whole": WHOLE} | {f"2^{k}": 1 << k for k in (15, 16, 17, 18, 19, 20)}
 DEFAULT = transformer.loss._BLOCK  # training's
 
 
-def print_rows(title: str, ms: dict[str, float]) -> None:
-    print(title)
-    for name, m in ms.items():
-        print(f"  {name:>9} {m:8.1f}   {ms['whole'] / m:.2f}× whole's speed")
-
-
 def rdrop_loss(logits: torch.Tensor, target: torch.Tensor, block: int) -> None:
     """Forward and backward of R-Drop's loss in blocks of `block` values."""
     transformer.loss._BLOCK = block
@@ -70,7 +64,7 @@ def main(vocab_dir: Path | None, reps: int) -> None:
     logits = (3 * torch.randn(len(target), data.tgt_vocab, generator=g)).to(torch.bfloat16 if bf16 else torch.float32)
     ms = bench.alternating_ms({name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
                         warmup=1, reps=reps)
-    print_rows(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):", ms)
+    bench.print_speeds(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):", ms, "whole")
 
     size, blocks = bench.SIZES["small"], {"whole": WHOLE, f"{DEFAULT:,}": DEFAULT}
     steps = {}
@@ -85,7 +79,8 @@ def main(vocab_dir: Path | None, reps: int) -> None:
         return run
 
     ms = bench.alternating_ms({name: update(name) for name in blocks}, warmup=2, reps=reps)
-    print_rows(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms)
+    bench.print_speeds(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms,
+                       "whole")
 
 
 if __name__ == "__main__":

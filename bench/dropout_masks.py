@@ -3,11 +3,11 @@ masks (F.dropout) against ours, taking turns in one process.
 
 Run from the repository root (about a minute on 2 cores):
 
-    python bench/dropout_masks.py [--vocab-dir data/vocab] [--reps 5]
+    python bench/dropout_masks.py [--vocab-dir data/vocab] [--reps 5] [--precision fp32]
 
 The batches are bench.py's token batches (train.max_tokens of params.yaml) of the corpus in
 --vocab-dir, else of its synthetic Multi30k-like one; the model is bench.py's small size (the
-default recipe's, dropout 0.1), bf16 where the CPU has it, else fp32, with freed memory kept
+default recipe's, dropout 0.1), in --precision (auto: bf16 where the CPU has it), with freed memory kept
 as training keeps it. The first rows time one dropout, forward and backward, of a batch's
 residual stream (its target tokens × d_model, R-Drop's two passes); the others time bench.py's
 update without R-Drop and with it (α 5). Medians of --reps calls after a warm-up. The two ways
@@ -47,10 +47,12 @@ def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
 @click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls of each way.")
-def main(vocab_dir: Path | None, reps: int) -> None:
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="As train.precision: auto is bf16 where the CPU has it, else fp32.")
+def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
     """Prints milliseconds per dropout and per update with either way's masks; see the module docstring."""
     keep_freed_memory()  # as training does
-    bf16 = use_bf16("auto", torch.device("cpu"))
+    bf16 = use_bf16(precision, torch.device("cpu"))
     size = bench.SIZES["small"]
     with tempfile.TemporaryDirectory() as tmp:
         data = bench.load_data(vocab_dir, Path(tmp))

@@ -46,6 +46,11 @@ def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model(
     assert transformer.dropout.dropout is dropout_masks.WAYS["ours"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dropout_masks_times_the_precision_asked_for(precision):
+    assert f"; {precision}; " in run(dropout_masks.main, ["--reps", "1", "--precision", precision])
+
+
 def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
     monkeypatch.setattr(transformer.loss, "_BLOCK", transformer.loss._BLOCK)  # the script sets it
     out = run(rdrop_loss.main, ["--reps", "1"])

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 import transformer.dropout  # noqa: E402
+from transformer.config import CHOICES  # noqa: E402
 from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
 
@@ -47,7 +48,7 @@ def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
 @click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls of each way.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+@click.option("--precision", type=click.Choice(CHOICES["train.precision"]), default="auto", show_default=True,
               help="As train.precision: auto is bf16 where the CPU has it, else fp32.")
 def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
     """Prints milliseconds per dropout and per update with either way's masks; see the module docstring."""

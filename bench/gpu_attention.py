@@ -6,9 +6,12 @@ Builds the model of params.yaml's size and times bench.py's R-Drop update of it 
 Adam, as training does) over the first token batches of build_vocab's training ids, each batch a new shape:
 first with the kernels training picks (transformer.attention.attention_kernels), then with
 torch's own choice, then with each backend forced (a refused one says why). The first --warmup
-batches are not timed. The profile of a few updates under torch's choice names the attention
-kernels it ran. cuDNN keeps a plan per shape, so a backend timed after another that planned the
-same shapes runs warm: the row order is the one printed. Needs a CUDA device; prints one table."""
+batches of each row are not timed. The profile of a few updates under torch's choice names the
+attention kernels it ran. Before the rows, one untimed pass over every batch with training's
+kernels meets each shape once, so every row finds the matrix products and the allocator warm and
+differs from the others in attention alone. cuDNN keeps a plan per shape, so its rows differ in
+whether it had planned the shapes: torch's choice plans them, and the cudnn row after it runs
+warm. Needs a CUDA device; prints one table."""
 
 from __future__ import annotations
 
@@ -68,6 +71,10 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; the model of params.yaml's size, R-Drop α {rdrop}, bf16, "
           f"{t.max_tokens}-token batches, {len(batches_on_device) - warmup} timed")
     print("attention kernels under torch's choice:", *ran[:8], sep="\n  ")
+    with attention_kernels(device, True):
+        for batch in batches_on_device:
+            update(batch)
+        torch.cuda.synchronize()
     rows = [("training's choice", lambda: attention_kernels(device, True)), ("torch's choice", contextlib.nullcontext)]
     rows += [(name, lambda b=backend: sdpa_kernel(b)) for name, backend in BACKENDS.items()]
     for name, kernels in rows:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench  # noqa: E402
 import dropout_masks  # noqa: E402
+import gpu_attention  # noqa: E402
 import rdrop_loss  # noqa: E402
 import update_profile  # noqa: E402
 
@@ -55,3 +57,9 @@ def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
     monkeypatch.setattr(transformer.loss, "_BLOCK", transformer.loss._BLOCK)  # the script sets it
     out = run(rdrop_loss.main, ["--reps", "1"])
     assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")
+def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_path):
+    result = CliRunner().invoke(gpu_attention.main, ["--vocab-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "needs a CUDA device" in result.output

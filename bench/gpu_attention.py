@@ -51,30 +51,27 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
     update = bench.ours_step(data, bench.Size("params.yaml", m.N, m.d_model, m.d_ff, m.h), True, default_kernel=True,
                              rdrop=rdrop, device=device)
 
+    def run(some: list[torch.Tensor]) -> None:
+        for batch in some:
+            update(batch)
+        torch.cuda.synchronize()
+
     def ms_per_update(kernels: contextlib.AbstractContextManager) -> float:
         with kernels:
-            for batch in batches_on_device[:warmup]:
-                update(batch)
-            torch.cuda.synchronize()
+            run(batches_on_device[:warmup])
             start = time.perf_counter()
-            for batch in batches_on_device[warmup:]:
-                update(batch)
-            torch.cuda.synchronize()
+            run(batches_on_device[warmup:])
         return (time.perf_counter() - start) / len(batches_on_device[warmup:]) * 1e3
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for batch in batches_on_device[:3]:
-            update(batch)
-        torch.cuda.synchronize()
+        run(batches_on_device[:3])
     ran = sorted({e.name.split("(")[0] for e in prof.events()
                   if any(k in e.name.lower() for k in ("flash", "fmha", "efficient", "cudnn", "attention", "sdpa"))})
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; the model of params.yaml's size, R-Drop α {rdrop}, bf16, "
           f"{t.max_tokens}-token batches, {len(batches_on_device) - warmup} timed")
     print("attention kernels under torch's choice:", *ran[:8], sep="\n  ")
     with attention_kernels(device, True):
-        for batch in batches_on_device:
-            update(batch)
-        torch.cuda.synchronize()
+        run(batches_on_device)
     rows = [("training's choice", lambda: attention_kernels(device, True)), ("torch's choice", contextlib.nullcontext)]
     rows += [(name, lambda b=backend: sdpa_kernel(b)) for name, backend in BACKENDS.items()]
     for name, kernels in rows:

@@ -144,6 +144,7 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("model", "dropout", 1.0),
         ("train", "label_smoothing", -0.5),
         ("model", "N", 0),
+        ("model", "decoder_N", -1),
         ("train", "warmup", -1),
         ("decode", "alpha", -0.6),
         ("model", "norm", "sandwich"),

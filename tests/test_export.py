@@ -24,20 +24,20 @@ from transformer.vocab import EOS, PAD, WordVocab
 LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
 
 
-def _model_file(path, norm: str, seed: int):
+def _model_file(path, norm: str, seed: int, decoder_N: int = 0):
     src = WordVocab.build(SRC_LINES, min_freq=1)
     tgt = WordVocab.build(["a dog runs", "two men play football", "a woman reads a book", "a child"], min_freq=1)
     config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 2, "d_model": 16, "d_ff": 32, "h": 2,
-              "dropout": 0.0, "norm": norm, "tie_embeddings": False, "pad": PAD}
+              "dropout": 0.0, "norm": norm, "tie_embeddings": False, "pad": PAD, "decoder_N": decoder_N}
     torch.manual_seed(seed)
     checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config,
                             "params": load_params(ROOT / "params.yaml").to_dict(), "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
     return path
 
 
-@pytest.mark.parametrize("norm", ["pre", "post"])
-def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm):
-    translator = Translator(_model_file(tmp_path / "model.pt", norm, seed=0), device="cpu")
+@pytest.mark.parametrize("norm, decoder_N", [("pre", 0), ("post", 0), ("pre", 1)])
+def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm, decoder_N):
+    translator = Translator(_model_file(tmp_path / "model.pt", norm, seed=0, decoder_N=decoder_N), device="cpu")
     export_ctranslate2(tmp_path / "model.pt", tmp_path / "ct2")
     ended = 0
     for line in LINES:  # one at a time: CTranslate2 bounds a batch's length, we each sentence's

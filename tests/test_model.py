@@ -102,6 +102,19 @@ def test_a_beams_reordering_moves_the_prefix_and_leaves_the_source_side_in_place
     torch.testing.assert_close(last, full[order, 3], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("decoder_N, layers", [(0, 2), (1, 1), (3, 3)])
+def test_decoder_N_sets_the_decoders_depth_and_0_takes_the_encoders(decoder_N, layers):
+    model = make_model(V_SRC, V_TGT, N=2, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre",
+                       tie_embeddings=False, pad=PAD, decoder_N=decoder_N).eval()
+    assert (len(model.encoder.layers), len(model.decoder.layers)) == (2, layers)
+    src, tgt_in = _tokens(2, 6, V_SRC, 5), torch.cat([torch.full((2, 1), BOS), _tokens(2, 4, V_TGT, 6)], 1)
+    with torch.no_grad():
+        state = model.start(src)
+        assert len(state.sources) == len(state.targets) == layers  # a cache per decoder layer
+        steps = torch.stack([model.step(state, tgt_in[:, t]) for t in range(tgt_in.size(1))], 1)
+        torch.testing.assert_close(steps, _full_log_probs(model, src, tgt_in), atol=1e-5, rtol=0)
+
+
 def test_tied_embeddings_share_one_tensor():
     model = _model(tie=True)
     assert model.tgt_embed is model.src_embed

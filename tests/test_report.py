@@ -107,6 +107,15 @@ def test_the_report_counts_a_tied_embedding_once():
     assert f"| parameters | 0.0M ({built:,}) |" in recipe
 
 
+@pytest.mark.parametrize("decoder_N, model", [(0, "N=2, d_model=16"), (2, "N=2, d_model=16"),
+                                              (1, "N=2 (decoder 1), d_model=16")])
+def test_the_report_names_the_decoders_depth_where_it_differs_from_the_encoders(decoder_N, model):
+    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 2, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
+              "norm": "pre", "tie_embeddings": True, "pad": PAD, "decoder_N": decoder_N}
+    described = describe_model({"model": make_model(**config).state_dict(), "model_config": config, "step": 1})
+    assert described["model"].startswith(model + ",")
+
+
 def test_merge_rewrites_its_own_section_and_keeps_the_others():
     de_en = report.merge("", "multi30k de-en", _section())
     both = report.merge(de_en, "multi30k en-de", _section(src="en", tgt="de"))

@@ -568,6 +568,9 @@ def _model_file(tmp_path: Path, **config_changes) -> Path:
 
 @pytest.mark.parametrize("changes, message", [
     ({"N": 10**7}, "out of range"),
+    ({"decoder_N": 10**7}, "out of range"),
+    ({"decoder_N": -1}, "out of range"),
+    ({"decoder_N": 2}, "do not fit"),  # the file holds one decoder layer
     ({"d_model": 2**16}, "do not fit"),  # built for real: 51 GB of attention weights alone
     ({"d_model": 2**40}, "do not fit"),  # too large even for shapes
     ({"d_ff": "32"}, "'d_ff' = '32' is not int"),
@@ -587,3 +590,4 @@ def test_model_file_written_before_the_dropout_params_still_loads(tmp_path):
     assert "attn_dropout" not in ckpt["model_config"]
     args = check_model_config(ckpt["model_config"], ckpt["model"], str(path))
     assert args["attn_dropout"] == args["ff_dropout"] == 0.0
+    assert "decoder_N" not in ckpt["model_config"] and args["decoder_N"] == 0  # as deep as the encoder

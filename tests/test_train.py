@@ -384,7 +384,8 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
     build_vocabs(tmp_path / "tok", other_vocab, ("de", "en"), "bpe", 100, 1, "train", "val", seed=1)
     changes = [(fewer_pairs, {}, "the training data (token ids) changed"),
                (other_vocab, {}, "the vocabulary (vocab.pt) changed"),
-               (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48")]
+               (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48"),
+               (other_vocab, {"model.d_ff": 48, "model.decoder_N": 2}, "model.decoder_N was 0, now 2")]
     for vocab, model, why in changes:
         newest = checkpoints.listed(out / "ckpt")[-1]
         result = run([sys.executable] + train_cmd(write_params(tmp_path, **steps, **model), vocab, out), ROOT)
@@ -392,6 +393,8 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
         assert said == [f"{newest}: not resumed, {why}; starting afresh"], result.stderr[-2000:]
         fresh = checkpoints.load(checkpoints.listed(out / "ckpt")[-1], checkpoints.RESUME_KEYS)
         assert fresh["step"] == 2 and fresh["identity"]["params"]["model"]["d_ff"] == model.get("model.d_ff", 64)
+    layers = {name.split(".")[0] + name.split(".")[2] for name in fresh["model"] if ".layers." in name}
+    assert layers == {"encoder0", "decoder0", "decoder1"}  # N 1, decoder_N 2: trained as asked
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:

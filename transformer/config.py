@@ -42,7 +42,8 @@ class VocabConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    N: int
+    N: int  # the encoder's layers, and the decoder's unless decoder_N
+    decoder_N: int  # the decoder's layers; 0: N (the paper's)
     d_model: int
     d_ff: int
     h: int
@@ -154,7 +155,7 @@ POSITIVE = {
     "model.h", "train.nproc", "train.nnodes", "train.members", "train.max_tokens", "train.accum", "train.epochs",
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
-NON_NEGATIVE = {"vocab.seed", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
+NON_NEGATIVE = {"vocab.seed", "model.decoder_N", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
                 "train.rdrop", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "model.word_dropout", "train.label_smoothing",
              "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)

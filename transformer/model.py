@@ -50,12 +50,12 @@ def _rows(cache: Cache, index: torch.Tensor) -> Cache:
 class Transformer(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
                  dropout: float, norm: str, tie_embeddings: bool, pad: int, attn_dropout: float = 0.0,
-                 ff_dropout: float = 0.0, word_dropout: float = 0.0):
+                 ff_dropout: float = 0.0, word_dropout: float = 0.0, decoder_N: int = 0):
         super().__init__()
         self.pad, self.word_dropout = pad, word_dropout
         drops = (dropout, norm, attn_dropout, ff_dropout)
         self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
-        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
+        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, *drops) for _ in range(decoder_N or N)], d_model, norm)
         self.src_embed = Embeddings(src_vocab, d_model)
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
@@ -130,12 +130,13 @@ def count_parameters(model: nn.Module) -> int:
 
 def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
                tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0,
-               word_dropout: float = 0.0) -> Transformer:
+               word_dropout: float = 0.0, decoder_N: int = 0) -> Transformer:
     """Builds the model from hyperparameters (params.yaml's `model` section; `pad`, the vocabulary's
-    padding id), Xavier-uniform on every matrix. The three extra dropouts default to 0, as in model
-    files written before they existed."""
+    padding id), Xavier-uniform on every matrix: N encoder layers, and decoder_N decoder layers
+    (0: N). The three extra dropouts and decoder_N default to 0, as in model files written before
+    they existed."""
     model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad,
-                        attn_dropout, ff_dropout, word_dropout)
+                        attn_dropout, ff_dropout, word_dropout, decoder_N)
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
@@ -169,7 +170,7 @@ def _built(config: Any, weights: dict[str, Any], source: str, device: torch.devi
     return model.to(device).eval()
 
 
-MAX_LAYERS = 64  # the N a model file may ask for; its sizes are bounded by the weights it holds
+MAX_LAYERS = 64  # the N (and decoder_N) a model file may ask for; its sizes are bounded by the weights it holds
 
 
 def check_model_config(config: Any, weights: dict[str, Any], source: str) -> dict[str, Any]:
@@ -205,11 +206,13 @@ def _checked_args(config: Any, source: str) -> dict[str, Any]:
         kind = signature[key].annotation  # the annotations are strings (from __future__ import annotations)
         if not (type(value).__name__ == kind or (kind == "float" and type(value) is int)):
             raise DataError(f"{source}: model config '{key}' = {value!r} is not {kind}")
-    ok = (1 <= c["N"] <= MAX_LAYERS and all(c[k] > 0 for k in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h"))
+    ok = (1 <= c["N"] <= MAX_LAYERS and 0 <= c["decoder_N"] <= MAX_LAYERS
+          and all(c[k] > 0 for k in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h"))
           and c["d_model"] % c["h"] == 0 and c["d_model"] % 2 == 0 and c["norm"] in ("post", "pre")
           and all(0 <= c[k] < 1 for k in ("dropout", "attn_dropout", "ff_dropout", "word_dropout"))
           and 0 <= c["pad"] < min(c["src_vocab"], c["tgt_vocab"]))
     if not ok:
-        raise DataError(f"{source}: model config out of range: {config}; expected N in [1, {MAX_LAYERS}], positive "
-                        f"sizes, an even d_model divisible by h, dropouts in [0, 1), norm post or pre, pad < vocabulary")
+        raise DataError(f"{source}: model config out of range: {config}; expected N in [1, {MAX_LAYERS}], "
+                        f"decoder_N in [0, {MAX_LAYERS}], positive sizes, an even d_model divisible by h, "
+                        f"dropouts in [0, 1), norm post or pre, pad < vocabulary")
     return c

@@ -47,7 +47,8 @@ def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
         count = count_parameters(make_model(**ckpt["model_config"]))
     c = ckpt["model_config"]
     train_time, members = ckpt.get("train_time_s"), ckpt.get("members", [])
-    return {"model": f"N={c['N']}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
+    layers = f"N={c['N']}" + (f" (decoder {c['decoder_N']})" if c.get("decoder_N", 0) not in (0, c["N"]) else "")
+    return {"model": f"{layers}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
             "parameters": f"{count / 1e6:.1f}M ({count:,})" + (f" × {len(members) + 1} members" if members else ""),
             "updates": ckpt.get("step"),
             "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",

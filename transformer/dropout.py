@@ -30,6 +30,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
+    """nn.Dropout's place in the model, drawing its masks with `dropout` above."""
+
     def __init__(self, p: float):
         super().__init__()
         self.p = p

@@ -19,6 +19,12 @@ import pytest
 import torch
 import yaml
 
+# The processes tests start (stages, torchrun ranks, dvc repro) run tiny models, and `make test`
+# runs a pytest worker per core: with torch's default of a thread per core each, two threads share
+# every core and torch's parallel ops wait on the descheduled one. One thread a process; a value
+# set by whoever runs the tests is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SRC_WORDS = [f"{c}{v}n" for c in "bdfgklmprst" for v in "aeiou"][:40]

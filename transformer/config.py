@@ -155,8 +155,8 @@ POSITIVE = {
     "model.h", "train.nproc", "train.nnodes", "train.members", "train.max_tokens", "train.accum", "train.epochs",
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
-NON_NEGATIVE = {"vocab.seed", "model.decoder_N", "train.save_every", "train.max_steps", "train.eval_every", "train.patience",
-                "train.rdrop", "decode.max_len_extra", "decode.alpha"}
+NON_NEGATIVE = {"vocab.seed", "model.decoder_N", "train.save_every", "train.max_steps", "train.eval_every",
+                "train.patience", "train.rdrop", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "model.word_dropout", "train.label_smoothing",
              "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

@@ -15,6 +15,7 @@ from transformer.config import CHOICES
 from transformer.embeddings import PositionalEncoding
 from transformer.errors import DataError
 from transformer.io import atomic_dir
+from transformer.model import decoder_layers
 from transformer.vocab import BpeVocab, Vocab, vocab_from_state
 
 QUANTIZATIONS = CHOICES["export.quantization"]
@@ -49,8 +50,7 @@ def transformer_spec(checkpoint: dict[str, Any]):
 
     config, state = checkpoint["model_config"], {k: v.float().numpy() for k, v in checkpoint["model"].items()}
     pre = config["norm"] == "pre"
-    layers = (config["N"], config.get("decoder_N") or config["N"])  # encoder, decoder
-    spec = TransformerSpec.from_config(layers, config["h"], pre_norm=pre)
+    spec = TransformerSpec.from_config((config["N"], decoder_layers(config)), config["h"], pre_norm=pre)
     spec.config.layer_norm_epsilon = LAYER_NORM_EPSILON
     table = PositionalEncoding(config["d_model"])._table(POSITIONS).numpy()  # ours interleaves sin and cos
     for side, stack, embed in (("encoder", spec.encoder, "src_embed"), ("decoder", spec.decoder, "tgt_embed")):

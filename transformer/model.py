@@ -128,6 +128,11 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def decoder_layers(config: dict[str, Any]) -> int:
+    """The decoder's depth of a model config: decoder_N, or N where it is 0 or absent (older files)."""
+    return config.get("decoder_N") or config["N"]
+
+
 def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
                tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0,
                word_dropout: float = 0.0, decoder_N: int = 0) -> Transformer:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from transformer.model import count_parameters, make_model
+from transformer.model import count_parameters, decoder_layers, make_model
 
 
 def hardware() -> str:
@@ -47,7 +47,7 @@ def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
         count = count_parameters(make_model(**ckpt["model_config"]))
     c = ckpt["model_config"]
     train_time, members = ckpt.get("train_time_s"), ckpt.get("members", [])
-    layers = f"N={c['N']}" + (f" (decoder {c['decoder_N']})" if c.get("decoder_N", 0) not in (0, c["N"]) else "")
+    layers = f"N={c['N']}" + (f" (decoder {decoder_layers(c)})" if decoder_layers(c) != c["N"] else "")
     return {"model": f"{layers}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
             "parameters": f"{count / 1e6:.1f}M ({count:,})" + (f" × {len(members) + 1} members" if members else ""),
             "updates": ckpt.get("step"),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import random
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -157,6 +159,26 @@ def project_copy(tmp_path: Path, params: dict) -> Path:
     run(["git", "add", "-A"], repo)
     run(git + ["commit", "-qm", "toy project"], repo)
     return repo
+
+
+def tgz(path: Path, members: dict[str, str]) -> None:
+    """A gzipped tar at path holding each member name with its text."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
+    """run id -> run, every run of an MLflow experiment in the repo's mlflow.db."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == name]
+    return {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
 
 
 @pytest.fixture(autouse=True)

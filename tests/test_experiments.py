@@ -1,23 +1,20 @@
-"""DVC experiments, a DVC remote, a real MLflow tracking server, and the corpus presets end to end."""
+"""DVC experiments, a DVC remote and a real MLflow tracking server, end to end."""
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 import signal
 import subprocess
-import tarfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import BIN, ROOT, free_port, project_copy, run, tiny_params, toy_pairs, wait_for_http
+from conftest import BIN, free_port, mlflow_runs, project_copy, run, tiny_params, wait_for_http
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -68,15 +65,6 @@ def _named(repo: Path, section: str, key: str, value) -> dict:
     """The one named experiment of `dvc exp show` whose params have section.key == value."""
     (exp,) = [e for e in _experiments(repo) if e["name"] and e["params"].get(section, {}).get(key) == value]
     return exp
-
-
-def _mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
-    """run id -> run, every run of an MLflow experiment in the repo's mlflow.db."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    (experiment,) = [e for e in client.search_experiments() if e.name == name]
-    return {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
 
 
 def _history(repo: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
@@ -156,7 +144,7 @@ def test_exp_run_reruns_train_and_downstream_only_and_exp_show_lists_it(repo):
 
 
 def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_training_run(repo):
-    before = _mlflow_runs(repo)
+    before = mlflow_runs(repo)
     training = _training_run_id(before)
     history = _history(repo, training)
     out = run([DVC, "exp", "run", "-S", "decode.beam=1"], repo, timeout=300).stdout
@@ -164,7 +152,7 @@ def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_tra
     exp = _named(repo, "decode", "beam", 1)
     assert exp["scores"] == json.loads((repo / "reports/scores.json").read_text())
     assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
-    after = _mlflow_runs(repo)
+    after = mlflow_runs(repo)
     (evaluation,) = [after[i] for i in after.keys() - before.keys()]
     _assert_evaluation_run(evaluation, training, exp, "decode.beam", 1)
     assert _history(repo, training) == history  # no score lands in the training's curves
@@ -183,7 +171,7 @@ def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_tra
 
 
 def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and_scores(repo):
-    before = _mlflow_runs(repo)
+    before = mlflow_runs(repo)
     for beam in (1, 3):
         run([DVC, "exp", "run", "--queue", "-S", f"decode.beam={beam}"], repo)
     assert not [e for e in _experiments(repo) if e["params"]["decode"]["beam"] != 2 and e["scores"]]  # queued, not run
@@ -191,7 +179,7 @@ def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and
         run([DVC, "exp", "run", "--run-all"], repo, timeout=560)  # runs the queue and waits for every result
     finally:
         run([DVC, "queue", "stop"], repo, check=False)
-    after = _mlflow_runs(repo)
+    after = mlflow_runs(repo)
     new = [after[i] for i in after.keys() - before.keys()]
     assert len(new) == 2, [r.info.run_name for r in new]
     for beam in (1, 3):
@@ -213,7 +201,7 @@ def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
     (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
     (training,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
     assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"
-    (evaluation,) = [r for r in _mlflow_runs(repo).values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
+    (evaluation,) = [r for r in mlflow_runs(repo).values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
     _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
     assert {"model", "figures", "vocab"} <= {a.path for a in client.list_artifacts(training.info.run_id)}
     assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
@@ -296,90 +284,3 @@ def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
     assert "figures/lr_schedule.png" in figures
     stored = {p.name for p in artifacts_dir.rglob("*") if p.is_file()}  # went through the server, into its store
     assert {"model.pt", "test2016.txt", "lr_schedule.png"} <= stored
-
-
-def _tgz(path: Path, members: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in members.items():
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
-def _xml(lines: list[str], tag: str) -> str:
-    """IWSLT/WMT-style SGML: only the <seg> lines are text."""
-    segs = "".join(f'<seg id="{i}"> {line} </seg>\n' for i, line in enumerate(lines, 1))
-    return f'<{tag} setid="x" srclang="any">\n<doc docid="1" genre="news">\n<p>\n{segs}</p>\n</doc>\n</{tag}>\n'
-
-
-def _iwslt14_mirror(mirror: Path) -> None:
-    """de-en.tgz as fairseq's prepare-iwslt14.sh finds it, with toy sentences."""
-    members = {}
-    train = toy_pairs(1200, 0)
-    for side, lang in enumerate(("de", "en")):
-        lines = []
-        for talk in range(0, len(train), 300):
-            lines += [f"<url>http://www.ted.com/talks/talk{talk}.html</url>", f"<talkid>{talk}</talkid>",
-                      "<keywords>talks, toys</keywords>", f"<title>Talk {talk}</title>"]
-            lines += [pair[side] for pair in train[talk:talk + 300]]
-        members[f"de-en/train.tags.de-en.{lang}"] = "\n".join(lines) + "\n"
-        for seed, name in enumerate(("TED.dev2010", "TED.tst2010", "TED.tst2011", "TED.tst2012", "TEDX.dev2012"), 1):
-            members[f"de-en/IWSLT14.{name}.de-en.{lang}.xml"] = _xml([p[side] for p in toy_pairs(15, seed)], "refset")
-    _tgz(mirror / "iwslt14" / "de-en.tgz", members)
-
-
-def _wmt14_mirror(mirror: Path) -> None:
-    """The five WMT14 archives of the registry, with toy sentences."""
-    train = toy_pairs(1200, 0)
-    parts = {"training-parallel-europarl-v7.tgz": "training/europarl-v7.de-en",
-             "training-parallel-commoncrawl.tgz": "commoncrawl.de-en",
-             "training-parallel-nc-v9.tgz": "training/news-commentary-v9.de-en"}
-    for i, (archive, stem) in enumerate(parts.items()):
-        chunk = train[i * 400:(i + 1) * 400]
-        _tgz(mirror / "wmt14" / archive, {f"{stem}.{lang}": "".join(p[side] + "\n" for p in chunk)
-                                          for side, lang in enumerate(("de", "en"))})
-    dev, test = toy_pairs(40, 1), toy_pairs(40, 2)
-    _tgz(mirror / "wmt14" / "dev.tgz", {f"dev/newstest2013.{lang}": "".join(p[side] + "\n" for p in dev)
-                                        for side, lang in enumerate(("de", "en"))})
-    _tgz(mirror / "wmt14" / "test-full.tgz", {f"test-full/newstest2014-deen-src.{lang}.sgm":
-                                              _xml([p[side] for p in test], "srcset") for side, lang in enumerate(("de", "en"))})
-
-
-def _shrunk(preset: str) -> dict:
-    """A preset with the toy sizes: everything else (corpus, direction, test sets, averaging) as shipped."""
-    params = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())
-    params["vocab"].update(size=120)
-    params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-    params["train"].update(nproc=1, max_tokens=400, accum=1, epochs=2, warmup=100, factor=1.0, save_every=10,
-                           max_steps=60, precision="fp32")
-    params["decode"].update(max_len_extra=10)
-    return params
-
-
-@pytest.mark.parametrize("preset, build_mirror, testsets", [
-    ("iwslt14_de_en", _iwslt14_mirror, {"val", "test"}),
-    ("wmt14_en_de_base", _wmt14_mirror, {"val", "test2014"}),
-])
-def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, build_mirror, testsets):
-    build_mirror(tmp_path / "mirror")
-    repo = project_copy(tmp_path, _shrunk(preset))
-    result = run([DVC, "repro"], repo, timeout=600, env={"TRANSFORMER_DATA_MIRROR": str(tmp_path / "mirror")})
-    assert "sha256 not pinned" in result.stderr + result.stdout
-    scores = json.loads((repo / "reports/scores.json").read_text())
-    assert set(scores) == testsets
-    data = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())["data"]
-    (evaluation,) = [r for r in _mlflow_runs(repo, f"{data['corpus']}-{data['src_lang']}-{data['tgt_lang']}").values()
-                     if "mlflow.parentRunId" in r.data.tags]
-    assert {k: v for k, v in evaluation.data.metrics.items() if k.endswith("_bleu")} == \
-        {f"{t}_bleu": s["bleu"] for t, s in scores.items()}  # the preset's test sets, scored and logged
-    test = sorted(testsets - {"val"})[0]
-    raw = repo / "data/raw"
-    iwslt = preset.startswith("iwslt")
-    # IWSLT14: 1200 sentences and 4 titles (tags dropped, their text kept), every 23rd to val; WMT14: archives joined
-    assert len((raw / f"train.{data['src_lang']}").read_text().splitlines()) == (1204 - 1204 // 23 if iwslt else 1200)
-    assert "<" not in (raw / f"{test}.{data['tgt_lang']}").read_text()  # only the <seg> text
-    translations = (repo / f"data/translations/{test}.txt").read_text().splitlines()
-    assert len(translations) == (75 if iwslt else 40)  # IWSLT14: 5 sets of 15
-    assert len(list((repo / "reports/figures").glob("*.png"))) == 11

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_cmd, train_outputs, write_params
+from conftest import BIN, ROOT, free_port, run, tgz, tiny_params, toy_pairs, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, params_from_dict
@@ -426,15 +426,6 @@ def test_bpe_vocabulary_from_a_sampled_corpus_is_byte_identical_for_one_seed(tmp
 
 # Defect 7: IWSLT14 split as fairseq's prepare-iwslt14.sh splits it.
 
-def _tgz(path: Path, members: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(text.encode())
-            tar.addfile(info, io.BytesIO(text.encode()))
-
-
 def _ted_train(lang: str, talks: int, per_talk: int) -> tuple[str, list[str]]:
     """train.tags as the IWSLT archive lays it out, and the lines fairseq keeps from it."""
     raw, kept = [], []
@@ -468,7 +459,7 @@ def test_iwslt14_splits_as_fairseq_test_is_five_sets_val_every_23rd_training_lin
         for name, n in sizes.items():  # fairseq's order: dev2010, TEDX.dev2012, tst2010, tst2011, tst2012
             members[f"de-en/IWSLT14.{name}.de-en.{lang}.xml"], segs = _ted_xml(name, lang, n)
             expected[f"test.{lang}"] += segs
-    _tgz(tmp_path / "mirror/iwslt14/de-en.tgz", members)
+    tgz(tmp_path / "mirror/iwslt14/de-en.tgz", members)
     monkeypatch.setenv(MIRROR_ENV, str(tmp_path / "mirror"))
     counts = download_corpus(ROOT / "transformer/corpora.yaml", "iwslt14", ("de", "en"), tmp_path / "raw")
     assert counts["test.de"] == sum(sizes.values()) and counts["val.en"] == 115 // 23

@@ -190,18 +190,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-# The longest files, longest first (minutes of one worker's time in a `.ci/run` on 2 AVX2 cores,
-# 2026-11-27: about 12.4, 11.9, 4.1, 4.0). `make test` hands out whole files (`--dist loadfile`) in
-# collection order, so these start at once, a pair a worker, and the short files fill in behind
-# them; in alphabetical order one could start last and run on alone.
-LONGEST_FIRST = ("test_pipeline.py", "test_experiments.py", "test_train.py", "test_presets.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order is kept
-
-
 # The fault and bad-input suite: each category lists the tests (file::name prefixes) that
 # prove a clear error, a non-zero exit or no partial output for one kind of fault.
 FAULTS = {

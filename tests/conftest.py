@@ -172,11 +172,16 @@ def tgz(path: Path, members: dict[str, str]) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
-def mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
-    """run id -> run, every run of an MLflow experiment in the repo's mlflow.db."""
+def mlflow_client(repo: Path):
+    """A client of the repo's mlflow.db, where the stages log."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
+    """run id -> run, every run of an MLflow experiment in the repo's mlflow.db."""
+    client = mlflow_client(repo)
     (experiment,) = [e for e in client.search_experiments() if e.name == name]
     return {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
 

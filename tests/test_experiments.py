@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, free_port, mlflow_runs, project_copy, run, tiny_params, wait_for_http
+from conftest import BIN, free_port, mlflow_client, mlflow_runs, project_copy, run, tiny_params, wait_for_http
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -69,9 +69,7 @@ def _named(repo: Path, section: str, key: str, value) -> dict:
 
 def _history(repo: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """Every metric of a run with all its logged (step, value) pairs."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    client = mlflow_client(repo)
     keys = client.get_run(run_id).data.metrics
     return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in keys}
 
@@ -80,9 +78,7 @@ def _artifacts(repo: Path, run_id: str, directory: str) -> dict[str, str]:
     """path -> text of every file a run holds under `directory` of its artifacts."""
     import tempfile
 
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    client = mlflow_client(repo)
     with tempfile.TemporaryDirectory() as d:
         return {a.path: Path(client.download_artifacts(run_id, a.path, d)).read_text(encoding="utf-8")
                 for a in client.list_artifacts(run_id, directory) if not a.is_dir}
@@ -191,13 +187,11 @@ def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and
 
 
 def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
-    from mlflow.tracking import MlflowClient
-
     out = run([DVC, "exp", "run", "--temp", "-S", "train.warmup=70"], repo, timeout=300)
     assert _ran(out.stdout) == DOWNSTREAM_OF_TRAIN, out.stdout
     exp = _named(repo, "train", "warmup", 70)
     assert exp["name"] in out.stdout + out.stderr
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    client = mlflow_client(repo)
     (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
     (training,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
     assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, project_copy, run, same_values, tiny_params, write_toy_corpus
+from conftest import BIN, mlflow_client, mlflow_runs, project_copy, run, same_values, tiny_params, write_toy_corpus
 
 DVC = str(BIN / "dvc")
 
@@ -70,11 +70,8 @@ def _assert_report_has_every_stage_and_score(repo, scores):
 
 def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     """The training's run holds params and curves; the evaluation's, nested under it, the scores."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
-    runs = client.search_runs([experiment.experiment_id])
+    client = mlflow_client(repo)
+    runs = list(mlflow_runs(repo).values())
     (run_,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     (evaluation,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run_.info.run_id]
     assert run_.data.params["model.d_model"] == "32" and "version.torch" in run_.data.params

@@ -288,11 +288,6 @@ def _watch_for_first_epoch(proc: subprocess.Popen, started) -> None:
             started.set()
 
 
-
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model on a busy host: waking threads costs more than it gives
-
-
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
     """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
@@ -310,7 +305,7 @@ def sampled(tmp_path_factory):
     def cmd(out: Path) -> list[str]:
         return [sys.executable] + train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
 
-    result = run(cmd(tmp / "out"), ROOT, env=ONE_THREAD)
+    result = run(cmd(tmp / "out"), ROOT)
     return cmd, tmp / "tok", tmp / "out", result.stderr
 
 
@@ -330,7 +325,7 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
     cmd, _, reference, _ = sampled
     first_epoch = int((reference / "reports" / "train_epochs.tsv").read_text().splitlines()[1].split("\t")[1])  # its updates
     interrupted = tmp_path / "interrupted"
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"} | ONE_THREAD
+    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(cmd(interrupted), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and not any(int(p.stem.split("_")[1]) > first_epoch for p in checkpoints.listed(interrupted / "ckpt")):
@@ -342,7 +337,7 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
     assert killed_at["epoch"] >= 1, "killed before the second epoch: nothing to resegment"
     assert killed_at["step"] < checkpoints.load(checkpoints.listed(reference / "ckpt")[-1])["step"], "killed too late"
 
-    result = run(cmd(interrupted), ROOT, env=ONE_THREAD)
+    result = run(cmd(interrupted), ROOT)
     assert "resuming from" in result.stderr
     expected, actual = _final_weights(reference), _final_weights(interrupted)
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

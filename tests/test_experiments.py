@@ -191,12 +191,12 @@ def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
     assert _ran(out.stdout) == DOWNSTREAM_OF_TRAIN, out.stdout
     exp = _named(repo, "train", "warmup", 70)
     assert exp["name"] in out.stdout + out.stderr
-    client = mlflow_client(repo)
-    (experiment,) = [e for e in client.search_experiments() if e.name == "toy-de-en"]
-    (training,) = client.search_runs([experiment.experiment_id], "params.`train.warmup` = '70'")
+    runs = mlflow_runs(repo).values()
+    (training,) = [r for r in runs if r.data.params.get("train.warmup") == "70"]
     assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"
-    (evaluation,) = [r for r in mlflow_runs(repo).values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
+    (evaluation,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
     _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
+    client = mlflow_client(repo)
     assert {"model", "figures", "vocab"} <= {a.path for a in client.list_artifacts(training.info.run_id)}
     assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
 

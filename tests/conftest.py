@@ -101,9 +101,15 @@ def wait_for_http(url: str, process: subprocess.Popen, log: Callable[[], str], s
         time.sleep(0.2)
 
 
+def tool_env(**extra: str) -> dict[str, str]:
+    """A subprocess's environment: this one, with the venv's tools first on PATH and a free port for torchrun's
+    master (two tests running at once must not both take its default), then `extra`."""
+    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | extra
+
+
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,
         input_text: str | None = None) -> subprocess.CompletedProcess:
-    full_env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | (env or {})
+    full_env = tool_env(**(env or {}))
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env,
                             input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
     if check and result.returncode != 0:

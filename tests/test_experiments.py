@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, free_port, mlflow_client, mlflow_runs, project_copy, run, tiny_params, wait_for_http
+from conftest import BIN, free_port, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env, wait_for_http
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -226,7 +226,7 @@ def mlflow_server(tmp_path):
          "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
          "--serve-artifacts", "--artifacts-destination", str(tmp_path / "server-artifacts")],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
-        env=os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+        env=tool_env())
     try:
         wait_for_http(f"{uri}/health", server, lambda: (tmp_path / "mlflow-server.log").read_text())
         yield uri, tmp_path / "server-artifacts"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, wait_for_http, write_toy_corpus
+from conftest import BIN, ROOT, free_port, run, tiny_params, tool_env, wait_for_http, write_toy_corpus
 
 STAGES = ROOT / "stages"
 
@@ -59,7 +59,7 @@ def _stage(d: Path, name: str, check: bool = True, env: dict | None = None, file
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    full_env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"} | (env or {})
+    full_env = tool_env(**(env or {}))
     return subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=300, env=full_env,
                           stdin=subprocess.DEVNULL, preexec_fn=limit_file_size)
 
@@ -203,7 +203,7 @@ class _DyingServer:
              "--backend-store-uri", f"sqlite:///{directory / 'server.db'}", "--serve-artifacts",
              "--artifacts-destination", str(directory / "server-artifacts")],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory,
-            env=os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+            env=tool_env())
         try:
             wait_for_http(f"{self.upstream}/health", self.process, lambda: (directory / "mlflow-server.log").read_text())
         except BaseException:

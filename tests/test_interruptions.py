@@ -15,12 +15,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, toy_pairs, train_options
+from conftest import BIN, ROOT, run, tiny_params, tool_env, toy_pairs, train_options
 from transformer import checkpoints
-
-
-def _env() -> dict:
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())}
 
 
 def _wait_for(predicate, seconds: float) -> bool:
@@ -62,7 +58,7 @@ def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tm
         return [sys.executable, "stages/decode.py", "--params", str(params), "--model", str(trained_model), "--vocab",
                 str(vocab_dir), "--source", str(source), "--out", str(out), "--report", str(tmp_path / "speed.json")]
 
-    proc = subprocess.Popen(decode(slow), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(decode(slow), cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     done = _sentences_done(proc, total=total)  # the progress bar's first count past 0
     assert done is not None and 0 < done < total // 2, f"decoding was not seen in its first half ({done} of {total})"
     proc.send_signal(signal.SIGKILL)
@@ -94,7 +90,7 @@ def test_a_killed_launcher_takes_its_worker_with_it(tmp_path, vocab_dir):
     job = subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1", "stages/train.py",
                             "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path),
                             "--references", str(vocab_dir.parent / "toy" / "val.en"), "--no-track"],
-                           cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                           cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     worker = None
     try:
         assert _wait_for(lambda: checkpoints.listed(tmp_path / "ckpt") or job.poll() is not None, 300)
@@ -125,7 +121,7 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights
 
     run(torchrun(tmp_path / "reference"), ROOT, timeout=1200)  # timeouts here are hang guards, not speed tests
     last = checkpoints.listed(tmp_path / "reference" / "ckpt")[-1]
-    job = subprocess.Popen(torchrun(tmp_path / "killed"), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    job = subprocess.Popen(torchrun(tmp_path / "killed"), cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: len(checkpoints.listed(tmp_path / "killed" / "ckpt")) >= 1 or job.poll() is not None, 900)
     workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "stages/train.py" in " ".join(p.cmdline())]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, mlflow_client, mlflow_runs, project_copy, run, same_values, tiny_params, write_toy_corpus
+from conftest import BIN, mlflow_client, mlflow_runs, project_copy, run, same_values, tiny_params, tool_env, write_toy_corpus
 
 DVC = str(BIN / "dvc")
 
@@ -141,12 +141,6 @@ def test_download_stage_reads_the_mirror_and_verifies_checksums(tmp_path):
 SMALL = {"train.epochs": 3, "train.save_every": 10, "average.last_k": 2}
 
 
-def _env() -> dict:
-    from conftest import free_port
-
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())}
-
-
 def _tree(directory: Path) -> dict[str, str]:
     """sha256 of every file under `directory`, by relative path."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -189,7 +183,7 @@ def _assert_same_model(repo: Path, reference: Path) -> None:
 
 
 def _start_repro(repo: Path) -> subprocess.Popen:
-    return subprocess.Popen([DVC, "repro"], cwd=repo, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    return subprocess.Popen([DVC, "repro"], cwd=repo, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # its own process group: the kill takes the stage with it
 
 

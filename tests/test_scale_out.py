@@ -9,7 +9,6 @@ import contextlib
 import gzip
 import io
 import math
-import os
 import random
 import shutil
 import signal
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tgz, tiny_params, toy_pairs, train_cmd, train_outputs, write_params
+from conftest import BIN, ROOT, free_port, run, tgz, tiny_params, tool_env, toy_pairs, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, params_from_dict
@@ -44,8 +43,7 @@ DDP_RUN = {"train.nproc": 2, "train.epochs": 10, "train.save_every": 4, "model.d
 def _env(**extra: str) -> dict:
     """One thread per process, as torchrun sets for several processes a node and not for one:
     1 node x 2 processes and 2 nodes x 1 process then sum in the same order, bit for bit."""
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port()),
-                         "OMP_NUM_THREADS": "1"} | extra
+    return tool_env(OMP_NUM_THREADS="1", **extra)
 
 
 

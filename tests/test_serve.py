@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run, wait_for_http
+from conftest import BIN, ROOT, free_port, run, tool_env, wait_for_http
 
 from transformer import checkpoints
 from transformer.config import load_params
@@ -84,7 +84,7 @@ def _post(port: int, body: bytes) -> tuple[int, dict]:
 @pytest.mark.slow
 def test_served_model_answers_with_the_clis_translations_and_400_for_bad_requests(pyfunc_dir, model_and_vocab, tmp_path):
     port = free_port()
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env = tool_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
     server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", str(pyfunc_dir), "--env-manager", "local",
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)

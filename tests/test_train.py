@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BIN, ROOT, free_port, run, same_values, tiny_params, train_cmd, train_outputs, write_params
+from conftest import BIN, ROOT, free_port, run, same_values, tiny_params, tool_env, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.errors import DataError
@@ -244,7 +243,7 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     params, vocab, reference = uninterrupted
     after_step, delay = KILL_POINTS[landing]
     interrupted = tmp_path / "interrupted"
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = tool_env()
     proc = subprocess.Popen([sys.executable] + train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     started = threading.Event()
@@ -325,7 +324,7 @@ def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, 
     cmd, _, reference, _ = sampled
     first_epoch = int((reference / "reports" / "train_epochs.tsv").read_text().splitlines()[1].split("\t")[1])  # its updates
     interrupted = tmp_path / "interrupted"
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = tool_env()
     proc = subprocess.Popen(cmd(interrupted), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and not any(int(p.stem.split("_")[1]) > first_epoch for p in checkpoints.listed(interrupted / "ckpt")):
@@ -420,7 +419,7 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     common = {"train.epochs": 1, "train.max_steps": 4, "model.dropout": 0.0, "train.nnodes": 2}
     params = write_params(tmp_path, **common)
     endpoint = f"127.0.0.1:{free_port()}"
-    env = os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = tool_env()
     nodes = [subprocess.Popen(_torchrun(2, 1, rank, endpoint) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [n.communicate(timeout=240)[0] for n in nodes]

@@ -7,6 +7,7 @@ import io
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -105,6 +106,39 @@ def tool_env(**extra: str) -> dict[str, str]:
     """A subprocess's environment: this one, with the venv's tools first on PATH and a free port for torchrun's
     master (two tests running at once must not both take its default), then `extra`."""
     return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | extra
+
+
+class MlflowServer:
+    """`mlflow server` on a free loopback port, run in `directory`: a SQLite store there, and artifacts served
+    (uploaded through the server) into `directory`/server-artifacts. Its output goes to mlflow-server.log."""
+
+    def __init__(self, directory: Path):
+        port = free_port()
+        self.uri = f"http://127.0.0.1:{port}"
+        self.artifacts = directory / "server-artifacts"
+        log = directory / "mlflow-server.log"
+        self._log = open(log, "w")
+        self.process = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
+             "--serve-artifacts", "--artifacts-destination", str(self.artifacts)],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory, env=tool_env())
+        try:
+            wait_for_http(f"{self.uri}/health", self.process, log.read_text)
+        except BaseException:
+            self.stop(signal.SIGKILL)
+            raise
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Sends `sig` to the server and the workers it started; SIGKILL follows if they outlive 15 s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(15)
+        self._log.close()
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, free_port, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env, wait_for_http
+from conftest import BIN, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -217,28 +214,11 @@ def test_pushed_model_is_pulled_into_a_fresh_clone_without_retraining(repo, tmp_
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    """`mlflow server` on a free loopback port, artifacts served (uploaded through the server)."""
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "mlflow-server.log", "w")
-    server = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--serve-artifacts", "--artifacts-destination", str(tmp_path / "server-artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
-        env=tool_env())
+    server = MlflowServer(tmp_path)
     try:
-        wait_for_http(f"{uri}/health", server, lambda: (tmp_path / "mlflow-server.log").read_text())
-        yield uri, tmp_path / "server-artifacts"
+        yield server.uri, server.artifacts
     finally:
-        log.close()
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(15)
+        server.stop()
 
 
 def _api(uri: str, endpoint: str, body: dict | None = None, **query) -> dict:

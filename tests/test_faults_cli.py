@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import os
 import resource
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, free_port, run, tiny_params, tool_env, wait_for_http, write_toy_corpus
+from conftest import ROOT, MlflowServer, run, tiny_params, tool_env, write_toy_corpus
 
 STAGES = ROOT / "stages"
 
@@ -195,31 +194,14 @@ class _DyingServer:
     exactly then, whatever the timing; afterwards every call is refused, as by a dead server."""
 
     def __init__(self, directory: Path):
-        port = free_port()
-        self.upstream = f"http://127.0.0.1:{port}"
-        self.log = open(directory / "mlflow-server.log", "w")
-        self.process = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{directory / 'server.db'}", "--serve-artifacts",
-             "--artifacts-destination", str(directory / "server-artifacts")],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory,
-            env=tool_env())
-        try:
-            wait_for_http(f"{self.upstream}/health", self.process, lambda: (directory / "mlflow-server.log").read_text())
-        except BaseException:
-            self.kill()
-            raise
+        self.upstream = MlflowServer(directory)
         self.died = threading.Event()
         self.proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.uri = f"http://127.0.0.1:{self.proxy.server_port}"
         threading.Thread(target=self.proxy.serve_forever, daemon=True).start()
 
-
     def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the server and its workers
-            self.process.wait(30)
-        self.log.close()
+        self.upstream.stop(signal.SIGKILL)
 
     def _die(self) -> None:
         self.died.set()
@@ -237,7 +219,7 @@ class _DyingServer:
                     return
                 length = int(self.headers.get("Content-Length") or 0)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                request = urllib.request.Request(server.upstream + self.path, data=self.rfile.read(length) if length else None,
+                request = urllib.request.Request(server.upstream.uri + self.path, data=self.rfile.read(length) if length else None,
                                                  headers=headers, method=self.command)
                 try:
                     with urllib.request.urlopen(request, timeout=60) as response:

@@ -130,15 +130,20 @@ class MlflowServer:
             raise
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Sends `sig` to the server and the workers it started; SIGKILL follows if they outlive 15 s."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, sig)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(15)
+        stop_group(self.process, sig)
         self._log.close()
+
+
+def stop_group(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Sends `sig` to a process started with `start_new_session=True` and to everything it started (a
+    server's workers); SIGKILL follows if they outlive 15 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(15)
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run, tool_env, wait_for_http
+from conftest import BIN, ROOT, free_port, run, stop_group, tool_env, wait_for_http
 
 from transformer import checkpoints
 from transformer.config import load_params
@@ -103,8 +102,7 @@ def test_served_model_answers_with_the_clis_translations_and_400_for_bad_request
             assert why in body.get("message", ""), body
         assert _post(port, json.dumps({"inputs": SENTENCES[:1]}).encode()) == (200, {"predictions": body_first(cli)})
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+        stop_group(server)
 
 
 def body_first(cli: subprocess.CompletedProcess) -> list[str]:

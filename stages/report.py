@@ -33,8 +33,8 @@ def main(params_path: Path, scores: Path, signatures: Path, evaluation: Path, mo
     scored = read_json(scores)
     scored = {t: scored[t] for t in params.decode.testsets if t in scored}  # in params order
     body = report.section(params, scored, read_json(signatures), describe_model(model),
-                          report.load_timings(timings), report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
-                          hardware(), git_commit())
+                          report.load_timings(timings, params.decode.testsets),
+                          report.load_anchors(d.corpus, d.src_lang, d.tgt_lang), hardware(), git_commit())
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))

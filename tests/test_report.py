@@ -152,13 +152,22 @@ def test_timings_come_in_the_order_the_stages_finished(tmp_path):
                 "train": "02:50:20", "decode@test2016": "02:50:52"}
     for name, time in finished.items():
         write_json(tmp_path / f"{name}.json", {"wall_s": 1.0, "finished": f"2026-11-22T{time}+00:00"})
-    assert list(report.load_timings(tmp_path)) == ["download", "train", "decode@val", "decode@test2016", "score", "figures"]
+    order = ["download", "train", "decode@val", "decode@test2016", "score", "figures"]
+    assert list(report.load_timings(tmp_path, ("val", "test2016"))) == order
+
+
+def test_the_timing_of_a_test_set_dropped_from_decode_testsets_is_left_out(tmp_path):
+    for name in ("train", "decode@val", "decode@test2016"):  # test2016 decoded by an earlier run, then dropped
+        write_json(tmp_path / f"{name}.json", {"wall_s": 60.0, "finished": "2026-11-22T02:50:40+00:00"})
+    timings = report.load_timings(tmp_path, ("val",))
+    assert list(timings) == ["decode@val", "train"]
+    assert "| **total** | **2.0 min** |  |" in report.timing_table(timings)
 
 
 def test_a_broken_timing_file_is_named(tmp_path):
     (tmp_path / "train.json").write_text("{not json")
     with pytest.raises(DataError, match="train.json"):
-        report.load_timings(tmp_path)
+        report.load_timings(tmp_path, ("val",))
 
 
 def test_every_multi30k_direction_has_a_published_anchor():
@@ -196,7 +205,7 @@ def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch)
     assert not (tmp_path / "t.json").exists()  # only the first process writes
     monkeypatch.setenv("RANK", "0")
     assert runner.invoke(command, ["--timing", str(tmp_path / "t.json")]).exit_code == 0
-    timing = report.load_timings(tmp_path)["t"]
+    timing = report.load_timings(tmp_path, ("val",))["t"]
     assert timing["wall_s"] > 0 and timing["finished"].endswith("+00:00")  # since the process started: pytest's age here
 
 
@@ -213,7 +222,7 @@ def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report
 
     result = CliRunner().invoke(command, ["--timing", str(tmp_path / "train.json")])
     assert result.exit_code == 0 and "(and 3600.0 s in earlier invocations, resumed)" in result.output
-    timing = report.load_timings(tmp_path)["train"]
+    timing = report.load_timings(tmp_path, ("val",))["train"]
     assert timing["resumed_s"] == 3600.0 and timing["wall_s"] > 3600.0
     table = "\n".join(report.timing_table({"download": {"wall_s": 2.0, "finished": "t0"}, "train": timing}))
     assert f"| train | {timing['wall_s'] / 60:.1f} min (60.0 min of it before a resume) |" in table

@@ -46,10 +46,12 @@ def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[
     return anchors
 
 
-def load_timings(directory: Path) -> dict[str, dict[str, Any]]:
+def load_timings(directory: Path, testsets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """{stage: {wall_s, finished[, resumed_s]}} from the stages' --timing files, in the order they finished: the
-    pipeline's order for a full run, with no list of stages to repeat dvc.yaml's."""
-    found = {p.stem: read_json(p) for p in directory.glob("*.json")} if directory.is_dir() else {}
+    pipeline's order for a full run, with no list of stages to repeat dvc.yaml's. A decode@<testset> file of a
+    test set no longer in decode.testsets is an earlier run's, not part of this pipeline: left out."""
+    paths = directory.glob("*.json") if directory.is_dir() else []
+    found = {p.stem: read_json(p) for p in paths if p.stem.partition("@")[2] in ("", *testsets)}
     return dict(sorted(found.items(), key=lambda kv: (kv[1].get("finished", ""), kv[0])))
 
 

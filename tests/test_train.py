@@ -64,8 +64,10 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
             (raw / f"{split}.{lang}").write_text("\n".join(src) + "\n")
     tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val", seed=1)
+    # 26 epochs (754 updates): at 20 (580) one or two of the 30 copies still confused a repeated word
+    # on an AVX-512 host in fp32, and the kernels of each host class round the run otherwise.
     params = params_from_dict(tiny_params(**{"vocab.kind": "word", "model.tie_embeddings": False, "model.N": 2, "model.d_model": 64,
-                                             "model.d_ff": 128, "train.epochs": 20, "train.max_tokens": 200, "train.factor": 1.0,
+                                             "model.d_ff": 128, "train.epochs": 26, "train.max_tokens": 200, "train.factor": 1.0,
                                              "train.label_smoothing": 0.0, "train.cooldown": 0.5}))
     summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["steps"] < 800  # a few hundred updates: seconds on an idle CPU

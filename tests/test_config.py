@@ -155,6 +155,7 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("train", "bpe_dropout", 1.0),
         ("train", "bpe_dropout", -0.1),
         ("train", "rdrop", -1.0),
+        ("train", "weight_decay", -0.1),
         ("train", "rdrop_from", 1.0),
         ("train", "rdrop_from", -0.2),
         ("model", "word_dropout", 1.0),

@@ -50,9 +50,10 @@ def test_recipe_names_the_cooldown_and_a_single_checkpoint():
 
 
 def test_recipe_names_the_regularizers_in_use_only():
-    params = params_from_dict(tiny_params(**{"train.bpe_dropout": 0.1, "train.rdrop": 5.0, "model.dropout": 0.3}))
+    params = params_from_dict(tiny_params(**{"train.bpe_dropout": 0.1, "train.rdrop": 5.0, "model.dropout": 0.3,
+                                             "train.weight_decay": 0.05}))
     text = "\n".join(report.recipe(params, MODEL))
-    assert "| regularization | label smoothing 0.1, dropout 0.3, BPE-dropout 0.1, R-Drop α 5.0 |" in text
+    assert "| regularization | label smoothing 0.1, dropout 0.3, BPE-dropout 0.1, weight decay 0.05, R-Drop α 5.0 |" in text
     assert "| regularization | label smoothing 0.1, dropout 0.0 |" in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
     shared = params_from_dict(tiny_params(**{"train.rdrop": 5.0, "train.rdrop_shared_encoder": True, "model.dropout": 0.1}))
     assert "| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 5.0 on one encoder pass |" in "\n".join(report.recipe(shared, MODEL))

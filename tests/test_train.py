@@ -130,6 +130,28 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
     assert alphas == [0.0] * first + [5.0] * (updates - first)
 
 
+
+def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
+    from transformer.model import make_model
+    from transformer.train import make_optimizer
+
+    torch.manual_seed(0)
+    model = make_model(src_vocab=30, tgt_vocab=30, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre",
+                       tie_embeddings=True, pad=2)
+    assert type(make_optimizer(model, 0.0, torch.device("cpu"))) is torch.optim.Adam  # the paper's, as before
+    optimizer = make_optimizer(model, 0.1, torch.device("cpu"))
+    before = {name: w.detach().clone() for name, w in model.named_parameters()}
+    for w in model.parameters():
+        w.grad = torch.zeros_like(w)  # Adam's own step is then 0: what moves is the decay alone
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5
+    optimizer.step()
+    for name, w in model.named_parameters():
+        expected = before[name] * (1 - 0.5 * 0.1) if w.dim() > 1 else before[name]
+        assert torch.allclose(w, expected, rtol=1e-6, atol=0), name
+    assert any(w.dim() > 1 for w in model.parameters()) and any(w.dim() == 1 for w in model.parameters())
+
+
 _FAULTS_OF_FRESH_BLOCKS = """
 import json, resource, torch
 from transformer.train import keep_freed_memory

@@ -68,6 +68,7 @@ class TrainConfig:
     warmup: int
     cooldown: float
     label_smoothing: float
+    weight_decay: float  # AdamW's decoupled decay of weight matrices and embeddings, per unit of rate; 0: the paper's Adam
     bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
@@ -156,7 +157,7 @@ POSITIVE = {
     "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
 }
 NON_NEGATIVE = {"vocab.seed", "model.decoder_N", "train.save_every", "train.max_steps", "train.eval_every",
-                "train.patience", "train.rdrop", "decode.max_len_extra", "decode.alpha"}
+                "train.patience", "train.rdrop", "train.weight_decay", "decode.max_len_extra", "decode.alpha"}
 FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "model.word_dropout", "train.label_smoothing",
              "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

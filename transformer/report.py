@@ -112,6 +112,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
                                + (f", feed-forward dropout {p.model.ff_dropout}" if p.model.ff_dropout else "")
                                + (f", source word dropout {p.model.word_dropout}" if p.model.word_dropout else "")
                                + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
+                               + (f", weight decay {t.weight_decay}" if t.weight_decay else "")
                                + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
                                + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")
                                + (" on one encoder pass" if t.rdrop and t.rdrop_shared_encoder else "")],

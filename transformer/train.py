@@ -199,8 +199,7 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     refs = _references(references, len(valid), p.patience, env.main)
     model = make_model(**_model_config(params, src_vocab, tgt_vocab))
     model.to(env.device)
-    fused = env.device.type in ("cuda", "cpu")  # one kernel updates every tensor
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
+    optimizer = make_optimizer(model, p.weight_decay, env.device)
     # Not train.members: a run trained alone resumes, or stays finished, as the first member of an ensemble.
     identity = {"params": training_params(params.to_dict()), "data": data_fingerprint(vocab_dir, "train")}
     progress = _resume(out.checkpoints, identity, model, optimizer, env)
@@ -229,6 +228,19 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
             tracker.log_artifact(final[-1], "checkpoints")
         tracker.end()
     return summary
+
+
+def make_optimizer(model: nn.Module, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+    """The paper's Adam (section 5.3); with weight_decay > 0, AdamW's decoupled decay of the weight
+    matrices and embeddings (norm gains and biases are not decayed). Its rate is set per update."""
+    fused = device.type in ("cuda", "cpu")  # one kernel updates every tensor
+    kwargs = {"lr": 0.0, "betas": (0.9, 0.98), "eps": 1e-9, "fused": fused}
+    if not weight_decay:
+        return torch.optim.Adam(model.parameters(), **kwargs)
+    params = list(model.parameters())
+    groups = [{"params": [w for w in params if w.dim() > 1], "weight_decay": weight_decay},
+              {"params": [w for w in params if w.dim() <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def train_members(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,

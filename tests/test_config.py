@@ -156,6 +156,8 @@ def test_d_model_not_divisible_by_h_is_rejected():
         ("train", "bpe_dropout", -0.1),
         ("train", "rdrop", -1.0),
         ("train", "weight_decay", -0.1),
+        ("train", "rdrop_share", 0.0),
+        ("train", "rdrop_share", 1.5),
         ("train", "rdrop_from", 1.0),
         ("train", "rdrop_from", -0.2),
         ("model", "word_dropout", 1.0),
@@ -187,6 +189,17 @@ def test_tied_embeddings_with_word_vocabulary_is_rejected():
     assert "model.tie_embeddings" in str(e.value)
     raw["model"]["tie_embeddings"] = False
     assert params_from_dict(raw).vocab.kind == "word"
+
+
+
+def test_partial_rdrop_on_a_shared_encoder_is_rejected():
+    raw = _with("train", "rdrop_share", 0.5)
+    raw["train"]["rdrop_shared_encoder"] = True
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(raw)
+    assert "train.rdrop_share" in str(e.value) and "rdrop_shared_encoder" in str(e.value)
+    raw["train"]["rdrop_shared_encoder"] = False
+    assert params_from_dict(raw).train.rdrop_share == 0.5
 
 
 def test_bpe_dropout_with_word_vocabulary_is_rejected():

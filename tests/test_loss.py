@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import transformer.loss
-from transformer.loss import _RDrop, rdrop_loss, token_loss
+from transformer.batching import Batch
+from transformer.loss import _RDrop, batch_loss, rdrop_loss, token_loss
 from transformer.model import make_model
 
 PAD = 2
@@ -57,6 +58,42 @@ def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmet
     got = rdrop_loss(model, torch.cat([first, second]), TGT_OUT, PAD, 0.1, alpha=3.0)
     assert float(kl) > 0.1
     assert float(got) == pytest.approx(float(ce + 3.0 / 4 * kl), rel=1e-5)
+
+
+
+def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as_one_pass():
+    model = _tiny().eval()  # no dropout: a sentence's two passes are equal and R-Drop's KL is 0
+    tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD], [8, 9, 10, 1], [11, 1, PAD, PAD]])
+    tgt_in = torch.cat([torch.zeros(4, 1, dtype=torch.long), tgt_out[:, :-1]], 1).masked_fill(tgt_out == PAD, PAD)
+    batch = Batch(torch.tensor([[4, 5, 1, PAD], [6, 1, PAD, PAD], [7, 8, 9, 1], [10, 1, PAD, PAD]]), tgt_in, tgt_out, 11)
+    seen = []
+
+    def forward(src, tgt):
+        seen.append(src)
+        return model(src, tgt)
+
+    plain = batch_loss(forward, model, batch, PAD, 0.1)
+    drawn = set()
+    for _ in range(8):
+        partial = batch_loss(forward, model, batch, PAD, 0.1, rdrop=5.0, share=0.5)
+        assert float(partial) == pytest.approx(float(plain), rel=1e-5)  # every sentence's CE counted once
+        assert seen[-1].size(0) == 4 + 2  # half the batch a second time
+        drawn.add(tuple(map(tuple, seen[-1][4:].tolist())))
+    assert len(drawn) > 1  # the sentences passed twice are drawn afresh each time
+    full = batch_loss(forward, model, batch, PAD, 0.1, rdrop=5.0)
+    assert seen[-1].size(0) == 8 and float(full) == pytest.approx(float(plain), rel=1e-5)
+
+
+def test_partial_rdrop_adds_the_kl_of_the_drawn_sentences():
+    model = _tiny(dropout=0.3).train()
+    tgt_out = TGT_OUT.repeat(2, 1)
+    batch = Batch(torch.tensor([[4, 5, 6, 1]]).repeat(4, 1), torch.tensor([[0, 5, 6, 1]]).repeat(4, 1), tgt_out, 10)
+
+    def loss(alpha: float) -> float:
+        torch.manual_seed(1)  # the same draw and the same dropout masks for both
+        return float(batch_loss(model, model, batch, PAD, 0.1, rdrop=alpha, share=0.5))
+
+    assert loss(5.0) > loss(0.001)
 
 
 def test_the_two_passes_of_a_repeated_batch_draw_their_own_dropout():

@@ -57,6 +57,10 @@ def test_recipe_names_the_regularizers_in_use_only():
     assert "| regularization | label smoothing 0.1, dropout 0.0 |" in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
     shared = params_from_dict(tiny_params(**{"train.rdrop": 5.0, "train.rdrop_shared_encoder": True, "model.dropout": 0.1}))
     assert "| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 5.0 on one encoder pass |" in "\n".join(report.recipe(shared, MODEL))
+    partial = params_from_dict(tiny_params(**{"train.rdrop": 4.0, "train.rdrop_share": 0.5, "train.rdrop_from": 0.3,
+                                              "model.dropout": 0.1}))
+    assert ("| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 4.0 on 50% of each batch's sentences "
+            "over the last 70% of the updates |") in "\n".join(report.recipe(partial, MODEL))
     extra = params_from_dict(tiny_params(**{"model.dropout": 0.1, "model.attn_dropout": 0.1, "model.ff_dropout": 0.2,
                                             "model.word_dropout": 0.15}))
     assert ("| regularization | label smoothing 0.1, dropout 0.1, attention dropout 0.1, feed-forward dropout 0.2, "

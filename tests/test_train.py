@@ -94,9 +94,9 @@ def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, voca
 def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_dir):
     from transformer.train import train
 
-    def trained(name: str, rdrop: float, shared_encoder: bool = False) -> dict:
+    def trained(name: str, rdrop: float, shared_encoder: bool = False, share: float = 1.0) -> dict:
         params = params_from_dict(tiny_params(**{"train.epochs": 3, "train.rdrop": rdrop, "model.dropout": 0.1,
-                                                 "train.rdrop_shared_encoder": shared_encoder}))
+                                                 "train.rdrop_shared_encoder": shared_encoder, "train.rdrop_share": share}))
         summary = train(params, vocab_dir, train_outputs(tmp_path / name))
         assert summary["val_loss"] < 4.0  # nats per token: it learns (uniform over the toy vocabulary: ~4.8)
         return _final_weights(tmp_path / name)
@@ -108,6 +108,35 @@ def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_d
     assert not all(torch.equal(rdrop[k], one_pass[k]) for k in rdrop)
     assert not all(torch.equal(shared[k], rdrop[k]) for k in rdrop)
     assert not all(torch.equal(shared[k], one_pass[k]) for k in rdrop)
+    partial, partial_again = trained("partial", 5.0, share=0.5), trained("partial_again", 5.0, share=0.5)
+    assert all(torch.equal(partial[k], partial_again[k]) for k in partial)
+    assert not all(torch.equal(partial[k], rdrop[k]) for k in rdrop)
+    assert not all(torch.equal(partial[k], one_pass[k]) for k in rdrop)
+
+
+def test_partial_rdrop_killed_mid_epoch_resumes_to_bit_identical_weights(tmp_path, vocab_dir, monkeypatch, capsys):
+    """The sentences passed twice are drawn from torch's generator, which a checkpoint keeps."""
+    import transformer.train as train_module
+
+    params = params_from_dict(tiny_params(**{"train.epochs": 2, "train.rdrop": 5.0, "train.rdrop_share": 0.5,
+                                             "model.dropout": 0.1, "train.save_every": 5}))
+    train_module.train(params, vocab_dir, train_outputs(tmp_path / "whole"))
+    update = train_module._Loop._update
+
+    def dying(loop, group):
+        if loop.progress.step == 17:  # inside the second epoch (12 updates each), after the checkpoint of step 15
+            raise RuntimeError("killed")
+        update(loop, group)
+
+    monkeypatch.setattr(train_module._Loop, "_update", dying)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
+    monkeypatch.setattr(train_module._Loop, "_update", update)
+    capsys.readouterr()
+    train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
+    assert "(step 15, epoch 2)" in capsys.readouterr().err  # resumed mid-epoch, not started afresh
+    expected, actual = _final_weights(tmp_path / "whole"), _final_weights(tmp_path / "killed")
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
 
 
 def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir, monkeypatch):

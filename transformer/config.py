@@ -73,6 +73,7 @@ class TrainConfig:
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
     rdrop_from: float  # the fraction of the planned updates after which R-Drop starts; 0: from the first update
+    rdrop_share: float  # the share of each micro-batch's sentences that R-Drop passes twice, drawn per batch; 1: all
     rdrop_shared_encoder: bool  # true: R-Drop's two passes share one encoder pass and differ in the decoder's dropout alone
     precision: str
     compile: bool
@@ -256,6 +257,10 @@ def _check_values(p: Params, source: str) -> None:
         fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
     if p.train.rdrop and not (p.model.dropout or p.model.attn_dropout or p.model.ff_dropout):
         fail("train.rdrop", "needs dropout (model.dropout, attn_dropout or ff_dropout > 0): without it both passes are the same")
+    if not 0 < p.train.rdrop_share <= 1:
+        fail("train.rdrop_share", "must be in (0, 1]")
+    if p.train.rdrop_share < 1 and p.train.rdrop_shared_encoder:
+        fail("train.rdrop_share", "< 1 needs train.rdrop_shared_encoder: false (the shared encoder passes every sentence twice)")
     if p.train.bpe_dropout and p.vocab.kind != "bpe":
         fail("train.bpe_dropout", "needs vocab.kind: bpe (a word vocabulary has one segmentation)")
     if p.data.src_lang == p.data.tgt_lang:

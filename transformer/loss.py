@@ -29,18 +29,36 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
 
 
 def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdrop: float = 0.0,
-               zero_pad: bool = False, shared_encoder: bool = False) -> torch.Tensor:
+               zero_pad: bool = False, shared_encoder: bool = False, share: float = 1.0) -> torch.Tensor:
     """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its
     DDP wrapper) on the batch, then `model`'s generator. With rdrop > 0, R-Drop's, from two passes
     of the batch in one forward (each row draws its own dropout); with `shared_encoder`, the two
-    passes decode one encoding of the source and differ in the decoder's dropout alone."""
+    passes decode one encoding of the source and differ in the decoder's dropout alone; with
+    `share` < 1, only that share of the sentences, drawn afresh each time, takes a second pass."""
     if not rdrop:
         return token_loss(model, forward(batch.src, batch.tgt_in), batch.tgt_out, pad, smoothing, zero_pad)
+    if share < 1.0:
+        return _partial_rdrop_loss(forward, model, batch, pad, smoothing, rdrop, zero_pad, share)
     if shared_encoder:
         hidden = forward(batch.src, batch.tgt_in, copies=2)
     else:
         hidden = forward(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
     return rdrop_loss(model, hidden, batch.tgt_out, pad, smoothing, rdrop, zero_pad)
+
+
+def _partial_rdrop_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, alpha: float,
+                        zero_pad: bool, share: float) -> torch.Tensor:
+    """R-Drop on round(share * B) of the batch's B sentences, drawn from torch's generator (so a
+    resumed run draws the same), and the plain loss on the others: each sentence keeps one pass's
+    weight, and the work is 1 + share passes instead of 2."""
+    n = batch.src.size(0)
+    twice = torch.randperm(n)[:max(1, round(share * n))].sort().values.to(batch.src.device)
+    once = torch.ones(n, dtype=torch.bool, device=batch.src.device)
+    once[twice] = False
+    hidden = forward(torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]]))  # (B + k, T, d)
+    pairs = torch.cat([hidden[twice], hidden[n:]])  # the drawn sentences' first passes, then their second
+    loss = rdrop_loss(model, pairs, batch.tgt_out[twice], pad, smoothing, alpha, zero_pad)
+    return loss + token_loss(model, hidden[:n][once], batch.tgt_out[once], pad, smoothing, zero_pad)
 
 
 class _RDrop(torch.autograd.Function):

@@ -114,6 +114,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
                                + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
                                + (f", weight decay {t.weight_decay}" if t.weight_decay else "")
                                + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
+                               + (f" on {t.rdrop_share:.0%} of each batch's sentences" if t.rdrop and t.rdrop_share < 1 else "")
                                + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")
                                + (" on one encoder pass" if t.rdrop and t.rdrop_shared_encoder else "")],
             ["precision, seed", f"{t.precision}, seed {t.seed}"],

@@ -554,7 +554,7 @@ class _Loop:
         """loss.batch_loss with this run's smoothing and R-Drop params."""
         p = self.p
         return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, self._rdrop(), p.smoothing_zeroes_pad,
-                          p.rdrop_shared_encoder)
+                          p.rdrop_shared_encoder, p.rdrop_share)
 
     def _rdrop(self) -> float:
         """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the

@@ -260,12 +260,12 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
 
 
 def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0,
-              shared_encoder: bool = False, device: torch.device = torch.device("cpu")) -> Step:
+              shared_encoder: bool = False, device: torch.device = torch.device("cpu"), share: float = 1.0) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
     of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
-    training does, over one encoder pass with `shared_encoder`. Batches should be on `device`
-    already; the step does not wait for the device."""
+    training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences.
+    Batches should be on `device` already; the step does not wait for the device."""
     model = ours_model(data, size).to(device).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     smoothing = PARAMS.train.label_smoothing
@@ -273,7 +273,7 @@ def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, 
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), kernels():
-            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop, shared_encoder=shared_encoder)
+            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop, shared_encoder=shared_encoder, share=share)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -37,6 +37,7 @@ def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_w
     out = run(update_profile.main, [*every_op, "--warmup", "1"])
     assert "aten::mm" in out and "aten::random_" in out and "aten::bernoulli_" not in out  # our masks
     assert "aten::bernoulli_" in run(update_profile.main, [*every_op, "--masks", "torch"])
+    assert "R-Drop α 5.0 on 50% of the sentences;" in run(update_profile.main, [*every_op, "--share", "0.5"])
     kinds = next(line for line in out.splitlines() if line.startswith("by kind:")).removeprefix("by kind:")
     shares = {k.rsplit(" ", 1)[0].strip(): float(k.rsplit(" ", 1)[1].rstrip("%")) for k in kinds.split(",")}
     assert list(shares) == ["matmuls", "dropout masks", "casts and copies", "the rest"]

@@ -40,11 +40,15 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        decoded twice, so the two passes differ in the decoder's dropout alone. Against r.
        Its MFU credits one encoder pass and two decoder passes.
     w. the same against s, in bf16.
+    x. r on half of each batch's sentences (train.rdrop_share 0.5): the drawn half runs twice,
+       the other half once. Against r. Its MFU credits 1.5 passes, the mean over the draws.
+    y. the same against s, in bf16.
   The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
   project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
   fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse),
-  v with r and w with s (what sharing the encoder pass saves R-Drop).
-  Rows e, f, s, u and w, and the bf16 peak, are left out on a CPU without bf16
+  v with r and w with s (what sharing the encoder pass saves R-Drop), x with r and y with s
+  (what R-Drop on half the sentences saves).
+  Rows e, f, s, u, w and y, and the bf16 peak, are left out on a CPU without bf16
   hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
   and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
@@ -208,9 +212,10 @@ def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch
 
 # ---------------------------------------------------------------------------- FLOPs
 
-def train_flops(batch: Batch, size: Size, tgt_vocab: int, passes: int = 1, shared_encoder: bool = False) -> float:
+def train_flops(batch: Batch, size: Size, tgt_vocab: int, passes: float = 1, shared_encoder: bool = False) -> float:
     """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`,
-    run `passes` times (R-Drop's 2), the encoder once with `shared_encoder`.
+    run `passes` times (R-Drop's 2; 1.5 on half the sentences, on average), the encoder once with
+    `shared_encoder`.
 
     Every weight of a matmul costs 6 FLOPs per token it is applied to (2 forward, 4 backward;
     Kaplan et al. 2020), with S the source tokens (with </s>) and T the target tokens (with </s>):
@@ -348,8 +353,9 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
 
 
 def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
-              plan: Plan, peak: float, passes: int = 1, shared_encoder: bool = False) -> dict[str, Any]:
-    """`passes`: forward passes of each batch an update runs (R-Drop's 2), the encoder's once with
+              plan: Plan, peak: float, passes: float = 1, shared_encoder: bool = False) -> dict[str, Any]:
+    """`passes`: forward passes of each batch an update runs (R-Drop's 2, 1.5 on half the sentences
+    on average), the encoder's once with
     `shared_encoder`. Tokens/s counts each
     corpus token once, so it is the speed through the corpus; MFU credits every pass."""
     i = plan.sizes.index(size.name)
@@ -383,6 +389,7 @@ class TrainRow:
     default_kernel: bool = False  # torch's attention kernel choice instead of training's
     rdrop: bool = False
     shared_encoder: bool = False  # with rdrop: one encoder pass for both
+    share: float = 1.0  # with rdrop: the share of each batch's sentences run twice
     malloc_defaults: bool = False  # glibc's defaults instead of training's kept freed memory
 
 
@@ -399,6 +406,8 @@ TRAIN_ROWS = (
     TrainRow("u", "e, glibc's malloc defaults", "token batches", bf16=True, vs="e", malloc_defaults=True),
     TrainRow("v", "r with a shared encoder", "token batches", vs="r", rdrop=True, shared_encoder=True),
     TrainRow("w", "s with a shared encoder", "token batches", bf16=True, vs="s", rdrop=True, shared_encoder=True),
+    TrainRow("x", "r on half the sentences", "token batches", vs="r", rdrop=True, share=0.5),
+    TrainRow("y", "s on half the sentences", "token batches", bf16=True, vs="s", rdrop=True, share=0.5),
 )
 
 
@@ -412,9 +421,9 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
         rdrop = RDROP if row.rdrop else 0.0
         keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
         step = (baseline_step(data, size) if row.baseline
-                else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder))
+                else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder, share=row.share))
         rows.append(train_row(row.key, row.label, dtype, step, batches[row.batches], size, data, plan, peaks[dtype],
-                              2 if rdrop else 1, row.shared_encoder))
+                              1 + row.share if rdrop else 1, row.shared_encoder))
     keep_freed_memory()
     return compare(rows, {row.key: row.vs for row in TRAIN_ROWS if row.vs})
 

@@ -23,17 +23,18 @@ def data(tmp_path_factory):
 
 def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})
-    assert [r["key"] for r in rows] == ["a", "b", "c", "d", "r", "t", "v"]
-    assert {r["key"]: r["vs"] for r in rows} == {"a": "b", "b": None, "c": "d", "d": None, "r": "c", "t": "c", "v": "r"}
+    assert [r["key"] for r in rows] == ["a", "b", "c", "d", "r", "t", "v", "x"]
+    assert {r["key"]: r["vs"] for r in rows} == {"a": "b", "b": None, "c": "d", "d": None, "r": "c", "t": "c", "v": "r", "x": "r"}
     assert all(r["dtype"] == "fp32" and r["tokens_per_s"] > 0 for r in rows)
     assert "bf16 not measured" in bench.table({"fp32": 1.0}, 0.0, rows)
 
 
-def test_with_a_bf16_peak_rows_e_f_s_u_and_w_run_in_bf16(data):
+def test_with_a_bf16_peak_rows_e_f_s_u_w_and_y_run_in_bf16(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
     assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [("e", "bf16", "d"), ("f", "bf16", "d"), ("r", "fp32", "c"),
                                                             ("s", "bf16", "e"), ("t", "fp32", "c"), ("u", "bf16", "e"),
-                                                            ("v", "fp32", "r"), ("w", "bf16", "s")]
+                                                            ("v", "fp32", "r"), ("w", "bf16", "s"), ("x", "fp32", "r"),
+                                                            ("y", "bf16", "s")]
 
 
 def test_the_rdrop_row_counts_corpus_tokens_once_and_credits_both_passes(data):
@@ -53,9 +54,16 @@ def test_the_shared_encoder_row_credits_one_encoder_pass_and_two_decoder_passes(
     assert v["flops_per_token"] == pytest.approx(r["flops_per_token"] - encoder / v["target_tokens"], abs=1)
 
 
+def test_the_half_rdrop_row_credits_one_and_a_half_passes(data):
+    rows = {r["key"]: r for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})}
+    c, r, x = rows["c"], rows["r"], rows["x"]
+    assert (x["updates"], x["target_tokens"]) == (r["updates"], r["target_tokens"])
+    assert x["flops_per_token"] == pytest.approx(1.5 * c["flops_per_token"], abs=1)
+
+
 def test_ours_keeps_freed_memory_as_training_does_but_rows_t_and_u_and_the_baseline_do_not(data, monkeypatch):
     kept = []
     monkeypatch.setattr(bench, "keep_freed_memory", lambda keep=True: kept.append(keep))
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
-    assert [r["key"] for r in rows] == ["a", "b", "c", "d", "e", "f", "r", "s", "t", "u", "v", "w"]
-    assert kept == [True, False, True, False, True, True, True, True, False, False, True, True, True]  # each row's, then training's again
+    assert [r["key"] for r in rows] == ["a", "b", "c", "d", "e", "f", "r", "s", "t", "u", "v", "w", "x", "y"]
+    assert kept == [True, False, True, False, True, True, True, True, False, False, True, True, True, True, True]  # each row's, then training's again

@@ -71,7 +71,8 @@ def tiny_params(**overrides) -> dict:
     params["data"].update(corpus="toy", registry="toy/corpora.yaml")
     params["vocab"].update(kind="bpe", size=120)
     params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-    params["train"].update(max_tokens=400, epochs=12, factor=1.0, warmup=100, cooldown=0.0, keep=3, precision="fp32", rdrop=0.0)
+    params["train"].update(max_tokens=400, epochs=12, factor=1.0, warmup=100, cooldown=0.0, keep=3, precision="fp32", rdrop=0.0,
+                           rdrop_share=1.0, weight_decay=0.0)
     params["average"].update(last_k=2)
     params["decode"].update(beam=2, alpha=1.0)
     for key, value in overrides.items():

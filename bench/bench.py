@@ -355,9 +355,8 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
 def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
               plan: Plan, peak: float, passes: float = 1, shared_encoder: bool = False) -> dict[str, Any]:
     """`passes`: forward passes of each batch an update runs (R-Drop's 2, 1.5 on half the sentences
-    on average), the encoder's once with
-    `shared_encoder`. Tokens/s counts each
-    corpus token once, so it is the speed through the corpus; MFU credits every pass."""
+    on average), the encoder's once with `shared_encoder`. Tokens/s counts each corpus token once,
+    so it is the speed through the corpus; MFU credits every pass."""
     i = plan.sizes.index(size.name)
     clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
     seconds = clock.seconds

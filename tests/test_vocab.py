@@ -230,3 +230,19 @@ def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     ids, off = sample_corpus(bpe, lines, 0.2, "seed 4 epoch 2 tgt")
     assert torch.equal(theirs["ids"], ids) and torch.equal(theirs["off"], off)
+
+
+def test_the_sampling_pool_is_stopped_at_exit(bpe, tmp_path):
+    """Its workers are kept across epochs; at exit the pool is terminated, not left to teardown."""
+    import subprocess
+    import sys
+
+    (tmp_path / "lines.txt").write_text("\n".join(_synthetic(200, seed=9)) + "\n", encoding="utf-8")
+    (tmp_path / "bpe.model").write_bytes(bpe.proto)
+    code = ("import atexit, sys; from pathlib import Path; from transformer import vocab; "
+            "d = Path(sys.argv[1]); vocab.SAMPLE_CHUNK = 64; v = vocab.BpeVocab((d / 'bpe.model').read_bytes()); "
+            "vocab.sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'k', workers=2); "
+            "pool = vocab._workers[2]; atexit._run_exitfuncs(); print(vocab._workers is None, pool._state)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == ["True", "TERMINATE"]

@@ -4,6 +4,7 @@ Both put the specials at the same ids: <s>=0, </s>=1, <blank>=2 (padding), <unk>
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import heapq
@@ -267,11 +268,20 @@ def _pool(proto: bytes, workers: int):
     if _workers is None or _workers[:2] != (proto, workers):
         import multiprocessing
 
-        if _workers is not None:
-            _workers[2].terminate()
+        _close_pool()
         # fork: the workers run plain Python and sentencepiece, never torch or the GPU
         _workers = (proto, workers, multiprocessing.get_context("fork").Pool(workers, _load_sampler, (proto,)))
     return _workers[2]
+
+
+@atexit.register
+def _close_pool() -> None:
+    """Stops the kept pool's workers; at exit too, as a pool left to the interpreter's teardown
+    prints a traceback when it is collected after the modules it needs are gone."""
+    global _workers
+    if _workers is not None:
+        _workers[2].terminate()
+        _workers = None
 
 
 def _load_sampler(proto: bytes) -> None:

@@ -214,19 +214,26 @@ def test_sampled_ids_follow_the_key_and_not_the_number_of_processes(bpe, monkeyp
     assert bpe.decode(one[0][one[1][-2]:one[1][-1]].tolist()) == lines[-1]  # offsets line up across chunks
 
 
-def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
-    """Every rank segments the split itself: a new interpreter must cut it as this one does."""
+def _in_a_fresh_process(code: str, bpe: BpeVocab, lines: list[str], tmp_path: Path) -> str:
+    """Runs `code` in a new interpreter at the repository's root, with `bpe` and `lines` written to
+    tmp_path (bpe.model, lines.txt; `d` names it there); returns what it printed."""
     import subprocess
     import sys
 
-    lines = _synthetic(200, seed=8)
     (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (tmp_path / "bpe.model").write_bytes(bpe.proto)
-    code = ("import sys, torch; from pathlib import Path; from transformer.vocab import BpeVocab, sample_corpus; "
-            "d = Path(sys.argv[1]); v = BpeVocab((d / 'bpe.model').read_bytes()); "
-            "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
-            "torch.save({'ids': ids, 'off': off}, d / 'out.pt')")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=Path(__file__).resolve().parents[1])
+    code = "import sys; from pathlib import Path; d = Path(sys.argv[1]); " + code
+    return subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout
+
+
+def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
+    """Every rank segments the split itself: a new interpreter must cut it as this one does."""
+    lines = _synthetic(200, seed=8)
+    _in_a_fresh_process("import torch; from transformer.vocab import BpeVocab, sample_corpus; "
+                        "v = BpeVocab((d / 'bpe.model').read_bytes()); "
+                        "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
+                        "torch.save({'ids': ids, 'off': off}, d / 'out.pt')", bpe, lines, tmp_path)
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     ids, off = sample_corpus(bpe, lines, 0.2, "seed 4 epoch 2 tgt")
     assert torch.equal(theirs["ids"], ids) and torch.equal(theirs["off"], off)
@@ -234,15 +241,10 @@ def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
 
 def test_the_sampling_pool_is_stopped_at_exit(bpe, tmp_path):
     """Its workers are kept across epochs; at exit the pool is terminated, not left to teardown."""
-    import subprocess
-    import sys
-
-    (tmp_path / "lines.txt").write_text("\n".join(_synthetic(200, seed=9)) + "\n", encoding="utf-8")
-    (tmp_path / "bpe.model").write_bytes(bpe.proto)
-    code = ("import atexit, sys; from pathlib import Path; from transformer import vocab; "
-            "d = Path(sys.argv[1]); vocab.SAMPLE_CHUNK = 64; v = vocab.BpeVocab((d / 'bpe.model').read_bytes()); "
-            "vocab.sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'k', workers=2); "
-            "pool = vocab._workers[2]; atexit._run_exitfuncs(); print(vocab._workers is None, pool._state)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.stdout.split() == ["True", "TERMINATE"]
+    printed = _in_a_fresh_process(
+        "import atexit; from transformer import vocab; vocab.SAMPLE_CHUNK = 64; "
+        "v = vocab.BpeVocab((d / 'bpe.model').read_bytes()); "
+        "vocab.sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'k', workers=2); "
+        "pool = vocab._workers[2]; atexit._run_exitfuncs(); print(vocab._workers is None, pool._state)",
+        bpe, _synthetic(200, seed=9), tmp_path)
+    assert printed.split() == ["True", "TERMINATE"]

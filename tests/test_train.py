@@ -244,6 +244,23 @@ def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, voca
     assert all(torch.equal(kept[k], default[k]) for k in kept)
 
 
+@pytest.mark.parametrize("capability, cpuinfo_bf16, bf16", [
+    ("AVX512", True, True),       # AVX-512 cores with bf16: torch names them AVX512, cpuinfo tells
+    ("AVX512", False, False),     # AVX-512 without bf16
+    ("AVX2", True, False),        # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2) would emulate bf16
+    ("AVX2", False, False),
+    ("AMX", False, True),
+])
+def test_auto_precision_picks_bf16_only_where_torch_may_use_bf16_instructions(monkeypatch, capability, cpuinfo_bf16, bf16):
+    from transformer import train
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(train, "_cpu_has", lambda flag: cpuinfo_bf16 and flag == "avx512_bf16")
+    assert train.use_bf16("auto", torch.device("cpu")) is bf16
+    assert train.use_bf16("fp32", torch.device("cpu")) is False
+    assert train.use_bf16("bf16", torch.device("cpu")) is True
+
+
 def test_cooldown_scales_the_last_updates_down_to_nearly_zero():
     plain = [rate(s, 256, 2.0, 10) for s in range(1, 101)]
     cooled = [rate(s, 256, 2.0, 10, total=100, cooldown=0.4) for s in range(1, 101)]

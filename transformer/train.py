@@ -165,11 +165,16 @@ def _glibc():
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
+    """precision auto on a CPU: bf16 where the cores have bf16 instructions and torch may use them.
+    torch names AVX512 on AVX-512 cores with or without bf16, so /proc/cpuinfo decides there; with
+    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a few percent of
+    fp32's speed (`bench.py --quick`'s bf16 rows at about 2% on an AVX-512 bf16 host), so fp32."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX") or _cpu_has("avx512_bf16")
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability in ("AVX512_BF16", "AMX") or (capability == "AVX512" and _cpu_has("avx512_bf16"))
 
 
 def _cpu_has(flag: str) -> bool:

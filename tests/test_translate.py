@@ -158,10 +158,11 @@ def test_an_ensemble_scores_by_the_mean_of_its_members_probabilities(model_file,
     best = beam_search_nbest(ensemble.model, src, beam=2, alpha=0.6, max_len=torch.tensor([6]), bos=BOS, eos=EOS, nbest=1)[0][0]
     tokens = best.tokens + ([EOS] if len(best.tokens) < 6 else [])
     per_member = []  # each member's log-probability of the ensemble's best hypothesis, token by token
-    for model in members:
-        state = model.start(src)
-        per_member.append(torch.stack([model.step(state, torch.tensor([last]))[0, t]
-                                       for last, t in zip([BOS] + tokens[:-1], tokens)]))
+    with torch.no_grad():
+        for model in members:
+            state = model.start(src)
+            per_member.append(torch.stack([model.step(state, torch.tensor([last]))[0, t]
+                                           for last, t in zip([BOS] + tokens[:-1], tokens)]))
     mean = torch.logsumexp(torch.stack(per_member), 0) - math.log(2)
     assert best.log_prob == pytest.approx(float(mean.sum()), abs=1e-4)
     assert all(abs(float(p.sum()) - best.log_prob) > 1e-3 for p in per_member)  # neither member alone

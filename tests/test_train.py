@@ -247,6 +247,7 @@ def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, voca
 @pytest.mark.parametrize("capability, cpuinfo_bf16, bf16", [
     ("AVX512", True, True),       # AVX-512 cores with bf16: torch names them AVX512, cpuinfo tells
     ("AVX512", False, False),     # AVX-512 without bf16
+    ("AVX512_VNNI", True, True),  # any AVX-512 level torch may name
     ("AVX2", True, False),        # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2) would emulate bf16
     ("AVX2", False, False),
     ("AMX", False, True),

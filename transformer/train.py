@@ -174,7 +174,7 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX512_BF16", "AMX") or (capability == "AVX512" and _cpu_has("avx512_bf16"))
+    return capability in ("AVX512_BF16", "AMX") or (capability.startswith("AVX512") and _cpu_has("avx512_bf16"))
 
 
 def _cpu_has(flag: str) -> bool:

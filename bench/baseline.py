@@ -37,8 +37,9 @@ class LayerNorm(nn.Module):
         return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              dropout: nn.Dropout) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: nn.Dropout
+) -> torch.Tensor:
     """Section 3.2.1 with the scores in memory: softmax(QKᵀ/√d_k)V."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T, S)
     scores = scores.masked_fill(mask == 0, -1e9)
@@ -56,8 +57,10 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B = query.size(0)
-        q, k, v = (w(x).view(B, -1, self.h, self.d_k).transpose(1, 2)  # (B, h, L, d_k)
-                   for w, x in ((self.w_q, query), (self.w_k, key), (self.w_v, value)))
+        q, k, v = (
+            w(x).view(B, -1, self.h, self.d_k).transpose(1, 2)  # (B, h, L, d_k)
+            for w, x in ((self.w_q, query), (self.w_k, key), (self.w_v, value))
+        )
         y = attention(q, k, v, mask.unsqueeze(1), self.dropout)  # mask broadcast over heads
         return self.w_o(y.transpose(1, 2).contiguous().view(B, -1, self.h * self.d_k))
 
@@ -104,8 +107,9 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff, dropout)
         self.sublayers = nn.ModuleList(Sublayer(d_model, dropout) for _ in range(3))
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                tgt_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, tgt_mask: torch.Tensor
+    ) -> torch.Tensor:
         x = self.sublayers[0](x, lambda y: self.self_attn(y, y, y, tgt_mask))
         x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, memory, src_mask))
         return self.sublayers[2](x, self.ff)
@@ -126,7 +130,7 @@ class Embed(nn.Module):
         self.register_buffer("pe", pe[None], persistent=False)  # (1, max_len, d_model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.lut(tokens) * self.scale + self.pe[:, :tokens.size(1)])
+        return self.dropout(self.lut(tokens) * self.scale + self.pe[:, : tokens.size(1)])
 
 
 class Baseline(nn.Module):
@@ -146,8 +150,9 @@ class Baseline(nn.Module):
             x = layer(x, src_mask)
         return self.encoder_norm(x)
 
-    def decode(self, memory: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor,
-               tgt_mask: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, memory: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor, tgt_mask: torch.Tensor
+    ) -> torch.Tensor:
         x = self.tgt_embed(tgt)  # (B, T, d_model)
         for layer in self.decoder:
             x = layer(x, memory, src_mask, tgt_mask)
@@ -170,8 +175,9 @@ def target_mask(tgt: torch.Tensor, pad: int) -> torch.Tensor:
     return (tgt != pad).unsqueeze(-2) & subsequent_mask(tgt.size(-1))  # (B, T, T)
 
 
-def make_baseline(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
-                  dropout: float = 0.1) -> Baseline:
+def make_baseline(
+    src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float = 0.1
+) -> Baseline:
     """Builds the baseline, Xavier-uniform on every matrix as the seed does."""
     model = Baseline(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
     for p in model.parameters():
@@ -200,8 +206,15 @@ class LabelSmoothing(nn.Module):
         return self.criterion(log_probs, true_dist)
 
 
-def train_step(model: Baseline, criterion: LabelSmoothing, optimizer: torch.optim.Optimizer,
-               src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> torch.Tensor:
+def train_step(
+    model: Baseline,
+    criterion: LabelSmoothing,
+    optimizer: torch.optim.Optimizer,
+    src: torch.Tensor,
+    tgt_in: torch.Tensor,
+    tgt_out: torch.Tensor,
+    pad: int,
+) -> torch.Tensor:
     """One update on one batch; the loss is normalized by the number of real target tokens."""
     log_probs = model(src, tgt_in, pad)  # (B, T, V)
     ntokens = (tgt_out != pad).sum()

@@ -158,6 +158,7 @@ class Data:
 
 # ---------------------------------------------------------------------------- data
 
+
 def synthetic_lengths(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
     """Sentence lengths in tokens, without specials, like Multi30k de-en with joint BPE 8000
     (train: source 14.8 ± 5.4, target 14.3 ± 4.8, longest 52): a right-skewed gamma for the
@@ -185,18 +186,24 @@ def load_data(vocab_dir: Path | None, tmp: Path) -> Data:
         write_synthetic(path, MULTI30K_TRAIN, SYNTHETIC_VOCAB, SEED)
         return Data(ParallelCorpus(path), SYNTHETIC_VOCAB, SYNTHETIC_VOCAB, True, "synthetic, Multi30k-like lengths")
     src, tgt = load_vocabs(vocab_dir)
-    return Data(ParallelCorpus(vocab_dir / "train.pt"), len(src), len(tgt), src.kind == "bpe",
-                f"{vocab_dir / 'train.pt'} ({src.kind} vocabulary)")
+    return Data(
+        ParallelCorpus(vocab_dir / "train.pt"),
+        len(src),
+        len(tgt),
+        src.kind == "bpe",
+        f"{vocab_dir / 'train.pt'} ({src.kind} vocabulary)",
+    )
 
 
 def sentence_batches(corpus: ParallelCorpus, sentences: int, count: int, seed: int) -> list[Batch]:
     """`count` batches of `sentences` random sentences, each padded to its own longest."""
     order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [corpus.batch(order[i * sentences:(i + 1) * sentences]) for i in range(count)]
+    return [corpus.batch(order[i * sentences : (i + 1) * sentences]) for i in range(count)]
 
 
 def pad_to(batch: Batch, length: int) -> Batch:
     """The seed's fixed padding: source and <s> target </s> to `length`, so length - 1 after the shift."""
+
     def pad(t: torch.Tensor, n: int) -> torch.Tensor:
         return F.pad(t, (0, n - t.size(1)), value=PAD)
 
@@ -205,12 +212,15 @@ def pad_to(batch: Batch, length: int) -> Batch:
 
 def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch]]:
     index = token_batches(corpus.src_lens, corpus.tgt_lens, PARAMS.train.max_tokens, SEED)[:count]
-    return {"256 sentences": sentence_batches(corpus, 256, count, SEED),
-            "token batches": [corpus.batch(i) for i in index],
-            "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)]}
+    return {
+        "256 sentences": sentence_batches(corpus, 256, count, SEED),
+        "token batches": [corpus.batch(i) for i in index],
+        "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)],
+    }
 
 
 # ---------------------------------------------------------------------------- FLOPs
+
 
 def train_flops(batch: Batch, size: Size, tgt_vocab: int, passes: float = 1, shared_encoder: bool = False) -> float:
     """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`,
@@ -245,7 +255,7 @@ def matmul_peak(dtype: torch.dtype, seconds: float, n: int = 2048) -> float:
     while reps < 3 or time.perf_counter() - start < seconds:
         torch.mm(a, b, out=c)
         reps += 1
-    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e9
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
 
 
 # ---------------------------------------------------------------------------- training
@@ -255,8 +265,18 @@ Step = Callable[[Batch], torch.Tensor]
 
 def ours_model(data: Data, size: Size) -> Transformer:
     torch.manual_seed(SEED)
-    return make_model(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h,
-                      dropout=0.1, norm="pre", tie_embeddings=data.joint, pad=PAD)
+    return make_model(
+        src_vocab=data.src_vocab,
+        tgt_vocab=data.tgt_vocab,
+        N=size.N,
+        d_model=size.d_model,
+        d_ff=size.d_ff,
+        h=size.h,
+        dropout=0.1,
+        norm="pre",
+        tie_embeddings=data.joint,
+        pad=PAD,
+    )
 
 
 def baseline_model(data: Data, size: Size) -> baseline.Baseline:
@@ -264,8 +284,16 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
     return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
 
 
-def ours_step(data: Data, size: Size, bf16: bool, default_kernel: bool = False, rdrop: float = 0.0,
-              shared_encoder: bool = False, device: torch.device = torch.device("cpu"), share: float = 1.0) -> Step:
+def ours_step(
+    data: Data,
+    size: Size,
+    bf16: bool,
+    default_kernel: bool = False,
+    rdrop: float = 0.0,
+    shared_encoder: bool = False,
+    device: torch.device = torch.device("cpu"),  # noqa: B008 (a device is immutable)
+    share: float = 1.0,
+) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
     of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
@@ -352,8 +380,19 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
     return clock, timed
 
 
-def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch], size: Size, data: Data,
-              plan: Plan, peak: float, passes: float = 1, shared_encoder: bool = False) -> dict[str, Any]:
+def train_row(
+    key: str,
+    label: str,
+    dtype: str,
+    step: Step,
+    batches: list[Batch],
+    size: Size,
+    data: Data,
+    plan: Plan,
+    peak: float,
+    passes: float = 1,
+    shared_encoder: bool = False,
+) -> dict[str, Any]:
     """`passes`: forward passes of each batch an update runs (R-Drop's 2, 1.5 on half the sentences
     on average), the encoder's once with `shared_encoder`. Tokens/s counts each corpus token once,
     so it is the speed through the corpus; MFU credits every pass."""
@@ -362,13 +401,24 @@ def train_row(key: str, label: str, dtype: str, step: Step, batches: list[Batch]
     seconds = clock.seconds
     tokens = sum(b.ntokens for b in timed)
     flops = sum(train_flops(b, size, data.tgt_vocab, passes, shared_encoder) for b in timed)
-    row = {"size": size.name, "key": key, "row": label, "dtype": dtype, "updates": len(timed),
-           "seconds": round(seconds, 3), "target_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-           "flops_per_token": round(flops / tokens), "mfu": round(flops / seconds / (peak * 1e9), 4),
-           "target_fill": round(tokens / sum(b.tgt_out.numel() for b in timed), 3),
-           "other_cores_busy": round(clock.others, 2)}
-    print(f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  "
-          f"({len(timed)} updates, {seconds:.1f} s)", file=sys.stderr)
+    row = {
+        "size": size.name,
+        "key": key,
+        "row": label,
+        "dtype": dtype,
+        "updates": len(timed),
+        "seconds": round(seconds, 3),
+        "target_tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "flops_per_token": round(flops / tokens),
+        "mfu": round(flops / seconds / (peak * 1e9), 4),
+        "target_fill": round(tokens / sum(b.tgt_out.numel() for b in timed), 3),
+        "other_cores_busy": round(clock.others, 2),
+    }
+    print(
+        f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  ({len(timed)} updates, {seconds:.1f} s)",
+        file=sys.stderr,
+    )
     gc.collect()
     return row
 
@@ -379,6 +429,7 @@ RDROP = 5.0  # the alpha of the R-Drop preset (params/multi30k_en_de_rdrop.yaml)
 @dataclass(frozen=True)
 class TrainRow:
     """One training row: what it runs, and the row its speed is compared with (`vs`)."""
+
     key: str
     label: str
     batches: str  # a key of training_batches
@@ -419,10 +470,26 @@ def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -
             continue
         rdrop = RDROP if row.rdrop else 0.0
         keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
-        step = (baseline_step(data, size) if row.baseline
-                else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder, share=row.share))
-        rows.append(train_row(row.key, row.label, dtype, step, batches[row.batches], size, data, plan, peaks[dtype],
-                              1 + row.share if rdrop else 1, row.shared_encoder))
+        step = (
+            baseline_step(data, size)
+            if row.baseline
+            else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder, share=row.share)
+        )
+        rows.append(
+            train_row(
+                row.key,
+                row.label,
+                dtype,
+                step,
+                batches[row.batches],
+                size,
+                data,
+                plan,
+                peaks[dtype],
+                1 + row.share if rdrop else 1,
+                row.shared_encoder,
+            )
+        )
     keep_freed_memory()
     return compare(rows, {row.key: row.vs for row in TRAIN_ROWS if row.vs})
 
@@ -437,6 +504,7 @@ def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[st
 
 
 # ---------------------------------------------------------------------------- decoding
+
 
 def decode_sources(corpus: ParallelCorpus, count: int) -> list[list[int]]:
     """Source sentences (ids + </s>) drawn at random: test2016 has the training set's lengths."""
@@ -459,8 +527,9 @@ def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> 
     """Target tokens produced by ours on every source, batched by length."""
     tokens = 0
     for batch in length_batches(sources, PARAMS.decode.batch_tokens // beam):
-        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(sources[i]) for i in batch], batch_first=True,
-                                              padding_value=PAD)  # (B, S)
+        src = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(sources[i]) for i in batch], batch_first=True, padding_value=PAD
+        )  # (B, S)
         max_len = torch.tensor([len(sources[i]) + EXTRA for i in batch])
         if beam == 1:
             out = greedy(model, src, max_len, BOS, NO_EOS)
@@ -474,17 +543,27 @@ def decode_baseline(model: baseline.Baseline, sources: list[list[int]]) -> int:
     return sum(len(baseline.greedy_decode(model, torch.tensor([s]), len(s) + EXTRA, BOS, PAD)) for s in sources)
 
 
-def decode_row(key: str, label: str, run: Callable[[list[list[int]]], int], sources: list[list[int]],
-               size: Size) -> dict[str, Any]:
+def decode_row(
+    key: str, label: str, run: Callable[[list[list[int]]], int], sources: list[list[int]], size: Size
+) -> dict[str, Any]:
     run(sources[:4])  # warm-up
     with Clock() as clock:
         tokens = run(sources)
     seconds = clock.seconds
     expected = sum(len(s) + EXTRA for s in sources)
-    row = {"size": size.name, "key": key, "row": label, "dtype": "fp32", "sentences": len(sources),
-           "seconds": round(seconds, 3), "target_tokens": tokens, "forced_length_held": tokens == expected,
-           "tokens_per_s": round(tokens / seconds, 1), "sentences_per_s": round(len(sources) / seconds, 2),
-           "other_cores_busy": round(clock.others, 2)}
+    row = {
+        "size": size.name,
+        "key": key,
+        "row": label,
+        "dtype": "fp32",
+        "sentences": len(sources),
+        "seconds": round(seconds, 3),
+        "target_tokens": tokens,
+        "forced_length_held": tokens == expected,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "sentences_per_s": round(len(sources) / seconds, 2),
+        "other_cores_busy": round(clock.others, 2),
+    }
     print(f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  ({seconds:.1f} s)", file=sys.stderr)
     return row
 
@@ -492,15 +571,20 @@ def decode_row(key: str, label: str, run: Callable[[list[list[int]]], int], sour
 def decoding_rows(size: Size, data: Data, plan: Plan) -> list[dict[str, Any]]:
     sources = decode_sources(data.corpus, plan.decode_sentences)
     ours, base, beam = ours_model(data, size).eval(), baseline_model(data, size).eval(), PARAMS.decode.beam
-    rows = [decode_row("g", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
-            decode_row("h", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
-            decode_row("i", "baseline, greedy, one by one", lambda s: decode_baseline(base, s), sources, size)]
+    rows = [
+        decode_row("g", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
+        decode_row("h", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
+        decode_row("i", "baseline, greedy, one by one", lambda s: decode_baseline(base, s), sources, size),
+    ]
     return compare(rows, {"g": "i", "h": "i"})
 
 
 # ---------------------------------------------------------------------------- a trained model against CTranslate2
 
-def model_rows(model_path: Path, source: Path, reference: Path, work: Path, beam: int | None = None) -> list[dict[str, Any]]:
+
+def model_rows(
+    model_path: Path, source: Path, reference: Path, work: Path, beam: int | None = None
+) -> list[dict[str, Any]]:
     """Ours (batched, the model's decode params) against its CTranslate2 export in float32 and int8,
     on the same sentences and threads: target tokens/s (</s> included) and BLEU (sacreBLEU, detokenized)."""
     import sacrebleu
@@ -526,68 +610,126 @@ def model_rows(model_path: Path, source: Path, reference: Path, work: Path, beam
         engine = load_ctranslate2(work / q, torch.get_num_threads())  # same threads as ours
 
         def run(batch: list[str]) -> tuple[list[str], int]:
-            ids = ctranslate2_translate(engine, translator.src_vocab, translator.tgt_vocab, batch, beam, p["alpha"],
-                                        p["max_len_extra"], p["batch_tokens"] // beam)
+            ids = ctranslate2_translate(
+                engine,
+                translator.src_vocab,
+                translator.tgt_vocab,
+                batch,
+                beam,
+                p["alpha"],
+                p["max_len_extra"],
+                p["batch_tokens"] // beam,
+            )
             produced = sum(len(i) + 1 for i, line in zip(ids, batch) if line.strip())  # + </s>, as ours counts
             return [detokenize(translator.tgt_vocab.decode(i)) for i in ids], produced
+
         return run
 
     rows = []
-    for key, label, dtype, run in (("j", f"ours, beam {beam}, batched", "fp32", ours),
-                                   ("k", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
-                                   ("l", f"CTranslate2, beam {beam}", "int8", theirs("int8"))):
+    for key, label, dtype, run in (
+        ("j", f"ours, beam {beam}, batched", "fp32", ours),
+        ("k", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
+        ("l", f"CTranslate2, beam {beam}", "int8", theirs("int8")),
+    ):
         run(lines[:8])  # warm-up
         with Clock() as clock:
             hyps, tokens = run(lines)
-        rows.append({"size": "model", "key": key, "row": label, "dtype": dtype, "sentences": len(lines),
-                     "seconds": round(clock.seconds, 3), "target_tokens": tokens,
-                     "tokens_per_s": round(tokens / clock.seconds, 1), "sentences_per_s": round(len(lines) / clock.seconds, 2),
-                     "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2), "threads": torch.get_num_threads(),
-                     "other_cores_busy": round(clock.others, 2)})
-        print(f"  model {key}. {label} {dtype:<5} {rows[-1]['tokens_per_s']:>9,.0f} tok/s  BLEU {rows[-1]['bleu']}", file=sys.stderr)
+        rows.append(
+            {
+                "size": "model",
+                "key": key,
+                "row": label,
+                "dtype": dtype,
+                "sentences": len(lines),
+                "seconds": round(clock.seconds, 3),
+                "target_tokens": tokens,
+                "tokens_per_s": round(tokens / clock.seconds, 1),
+                "sentences_per_s": round(len(lines) / clock.seconds, 2),
+                "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+                "threads": torch.get_num_threads(),
+                "other_cores_busy": round(clock.others, 2),
+            }
+        )
+        print(
+            f"  model {key}. {label} {dtype:<5} {rows[-1]['tokens_per_s']:>9,.0f} tok/s  BLEU {rows[-1]['bleu']}",
+            file=sys.stderr,
+        )
     return compare(rows, {"j": "k", "l": "k"})
 
 
 # ---------------------------------------------------------------------------- report
 
+
 def machine() -> dict[str, Any]:
-    return {"hardware": hardware(), "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]]) -> str:
-    bf16 = f"{peaks['bf16']:.0f} GFLOP/s" if "bf16" in peaks else "not measured (no bf16 hardware: rows e and f left out)"
-    lines = [f"matmul peak (2048×2048): fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {bf16}",
-             f"{'size':<6} {'row':<32} {'dtype':<5} {'tok/s':>8} {'sent/s':>7} {'MFU %':>6} {'ratio':>10} "
-             f"{'others':>6}"]
+    bf16 = (
+        f"{peaks['bf16']:.0f} GFLOP/s" if "bf16" in peaks else "not measured (no bf16 hardware: rows e and f left out)"
+    )
+    lines = [
+        f"matmul peak (2048×2048): fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {bf16}",
+        f"{'size':<6} {'row':<32} {'dtype':<5} {'tok/s':>8} {'sent/s':>7} {'MFU %':>6} {'ratio':>10} {'others':>6}",
+    ]
     for r in rows:
         sent = f"{r['sentences_per_s']:.1f}" if "sentences_per_s" in r else "-"
         mfu = f"{100 * r['mfu']:.1f}" if "mfu" in r else "-"
         ratio = f"{r['ratio']:.2f}× {r['vs']}" if r["vs"] else "1 (ref)"
-        lines.append(f"{r['size']:<6} {r['key'] + '. ' + r['row']:<32} {r['dtype']:<5} {r['tokens_per_s']:>8,.0f} "
-                     f"{sent:>7} {mfu:>6} {ratio:>10} {r['other_cores_busy']:>6.2f}")
+        lines.append(
+            f"{r['size']:<6} {r['key'] + '. ' + r['row']:<32} {r['dtype']:<5} {r['tokens_per_s']:>8,.0f} "
+            f"{sent:>7} {mfu:>6} {ratio:>10} {r['other_cores_busy']:>6.2f}"
+        )
     busy = max([peak_busy] + [r["other_cores_busy"] for r in rows])
     if busy > 0.2:
-        lines.append(f"warning: other processes kept up to {busy:.2f} cores busy during a row ('others'): "
-                     f"its figures are low and the ratios noisy; rerun on a quiet machine")
+        lines.append(
+            f"warning: other processes kept up to {busy:.2f} cores busy during a row ('others'): "
+            f"its figures are low and the ratios noisy; rerun on a quiet machine"
+        )
     return "\n".join(lines)
 
 
 @click.command()
 @click.option("--quick", is_flag=True, help="Small size only, shorter rows (about a minute).")
-@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="build_vocab output (vocab.pt, train.pt) to use real token ids instead of the synthetic corpus.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "bench.json",
-              show_default=True)
-@click.option("--model", "model_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="a trained model file: measure only its decoding, ours against CTranslate2 fp32 and int8 "
-                   "(needs --source and --reference)")
-@click.option("--source", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="tokenized source, e.g. data/tokenized/test2016.en")
-@click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="raw reference, e.g. data/raw/test2016.de")
-def main(quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None, source: Path | None,
-         reference: Path | None) -> None:
+@click.option(
+    "--vocab-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="build_vocab output (vocab.pt, train.pt) to use real token ids instead of the synthetic corpus.",
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "bench.json", show_default=True
+)
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="a trained model file: measure only its decoding, ours against CTranslate2 fp32 and int8 "
+    "(needs --source and --reference)",
+)
+@click.option(
+    "--source",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="tokenized source, e.g. data/tokenized/test2016.en",
+)
+@click.option(
+    "--reference",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="raw reference, e.g. data/raw/test2016.de",
+)
+def main(
+    quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None, source: Path | None, reference: Path | None
+) -> None:
     """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
     plan = QUICK if quick else FULL
     start = time.perf_counter()
@@ -598,8 +740,16 @@ def main(quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None
         with tempfile.TemporaryDirectory() as tmp:
             rows = model_rows(model_path, source, reference, Path(tmp))
         print(table({"fp32": 0.0, "bf16": 0.0}, 0.0, rows).split("\n", 1)[1])
-        write_json(out, {"machine": info, "model": str(model_path), "source": str(source), "model_decode": rows,
-                         "runtime_s": round(time.perf_counter() - start, 1)})
+        write_json(
+            out,
+            {
+                "machine": info,
+                "model": str(model_path),
+                "source": str(source),
+                "model_decode": rows,
+                "runtime_s": round(time.perf_counter() - start, 1),
+            },
+        )
         return
     with Clock() as clock:
         dtypes = DTYPES if use_bf16("auto", torch.device("cpu")) else {"fp32": torch.float32}
@@ -615,13 +765,25 @@ def main(quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None
     runtime = time.perf_counter() - start
     by_size = sorted(train + decode, key=lambda r: plan.sizes.index(r["size"]))  # stable: keys stay in order
     print(table(peaks, info["other_cores_busy_during_peak"], by_size))
-    print(f"decoding: untrained models, eos disabled, every sentence decoded to source length + {EXTRA}; "
-          f"runtime {runtime:.0f} s")
-    write_json(out, {"machine": info, "data": data.origin, "plan": asdict(plan), "quick": quick,
-                     "sizes": {n: asdict(SIZES[n]) for n in plan.sizes},
-                     "peak_gflops": {k: round(v, 1) for k, v in peaks.items()},
-                     "train": train, "decode": decode, "runtime_s": round(runtime, 1),
-                     "flops_formula": train_flops.__doc__})
+    print(
+        f"decoding: untrained models, eos disabled, every sentence decoded to source length + {EXTRA}; "
+        f"runtime {runtime:.0f} s"
+    )
+    write_json(
+        out,
+        {
+            "machine": info,
+            "data": data.origin,
+            "plan": asdict(plan),
+            "quick": quick,
+            "sizes": {n: asdict(SIZES[n]) for n in plan.sizes},
+            "peak_gflops": {k: round(v, 1) for k, v in peaks.items()},
+            "train": train,
+            "decode": decode,
+            "runtime_s": round(runtime, 1),
+            "flops_formula": train_flops.__doc__,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 import transformer.dropout  # noqa: E402
 from transformer.config import CHOICES  # noqa: E402
 from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
@@ -38,18 +37,29 @@ WAYS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": 
 
 def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
     """`run`, with the model's dropout drawing `way`'s masks."""
+
     def call(i: int) -> None:
         transformer.dropout.dropout = WAYS[way]
         run(i)
+
     return call
 
 
 @click.command()
-@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
+@click.option(
+    "--vocab-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
+)
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls of each way.")
-@click.option("--precision", type=click.Choice(CHOICES["train.precision"]), default="auto", show_default=True,
-              help="As train.precision: auto is bf16 where the CPU has it, else fp32.")
+@click.option(
+    "--precision",
+    type=click.Choice(CHOICES["train.precision"]),
+    default="auto",
+    show_default=True,
+    help="As train.precision: auto is bf16 where the CPU has it, else fp32.",
+)
 def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
     """Prints milliseconds per dropout and per update with either way's masks; see the module docstring."""
     keep_freed_memory()  # as training does
@@ -70,7 +80,7 @@ def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
         bench.print_speeds(f"one dropout of {tokens:,} × {size.d_model}, forward and backward (ms):", ms, "torch")
         for rdrop in (0.0, bench.RDROP):
             steps = {way: bench.ours_step(data, size, bf16, rdrop=rdrop) for way in WAYS}
-            runs = {way: with_masks(way, lambda i, way=way: steps[way](batches[i])) for way in WAYS}
+            runs = {way: with_masks(way, lambda i, way=way: steps[way](batches[i])) for way in WAYS}  # noqa: B023 (timed here)
             ms = bench.alternating_ms(runs, warmup=2, reps=reps)
             bench.print_speeds(f"updates of the {size.name} model, R-Drop α {rdrop} ({reps} batches, ms):", ms, "torch")
     finally:

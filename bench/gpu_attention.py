@@ -27,16 +27,24 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 from transformer.attention import attention_kernels  # noqa: E402
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 @click.command()
-@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("data/vocab"),
-              show_default=True, help="build_vocab's output: vocab.pt and train.pt")
+@click.option(
+    "--vocab-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=Path("data/vocab"),
+    show_default=True,
+    help="build_vocab's output: vocab.pt and train.pt",
+)
 @click.option("--batches", type=click.IntRange(min=2), default=60, show_default=True, help="token batches per row")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="untimed batches first")
 def main(vocab_dir: Path, batches: int, warmup: int) -> None:
@@ -48,8 +56,14 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
     batches_on_device = [b.to(device) for b in bench.training_batches(data.corpus, batches)["token batches"]]
     rdrop = t.rdrop or bench.RDROP
     # The default kernel: each row's context below picks the backend.
-    update = bench.ours_step(data, bench.Size("params.yaml", m.N, m.d_model, m.d_ff, m.h), True, default_kernel=True,
-                             rdrop=rdrop, device=device)
+    update = bench.ours_step(
+        data,
+        bench.Size("params.yaml", m.N, m.d_model, m.d_ff, m.h),
+        True,
+        default_kernel=True,
+        rdrop=rdrop,
+        device=device,
+    )
 
     def run(some: list[torch.Tensor]) -> None:
         for batch in some:
@@ -65,10 +79,18 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run(batches_on_device[:3])
-    ran = sorted({e.name.split("(")[0] for e in prof.events()
-                  if any(k in e.name.lower() for k in ("flash", "fmha", "efficient", "cudnn", "attention", "sdpa"))})
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; the model of params.yaml's size, R-Drop α {rdrop}, bf16, "
-          f"{t.max_tokens}-token batches, {len(batches_on_device) - warmup} timed")
+    ran = sorted(
+        {
+            e.name.split("(")[0]
+            for e in prof.events()
+            if any(k in e.name.lower() for k in ("flash", "fmha", "efficient", "cudnn", "attention", "sdpa"))
+        }
+    )
+    print(
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; the model of params.yaml's size, "
+        f"R-Drop α {rdrop}, bf16, "
+        f"{t.max_tokens}-token batches, {len(batches_on_device) - warmup} timed"
+    )
     print("attention kernels under torch's choice:", *ran[:8], sep="\n  ")
     with attention_kernels(device, True):
         run(batches_on_device)

@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 import transformer.packing  # noqa: E402
 from transformer.batching import Batch  # noqa: E402
 from transformer.vocab import BOS, EOS, PAD  # noqa: E402
@@ -77,8 +76,11 @@ def main(size: str, steps: int) -> None:
                 transformer.packing.PACK_BELOW = threshold
                 speed[way] = tokens_per_s(bench.ours_step(data, bench.SIZES[size], dtype == "bf16"), batches, 2)
             real = sum(b.ntokens for b in batches) / sum(b.tgt_out.numel() for b in batches)
-            print(f"{dtype:<5} {real:>5.2f} {speed['padded']:>13,.0f} {speed['packed']:>13,.0f} "
-                  f"{speed['packed'] / speed['padded']:>13.2f}×", flush=True)
+            print(
+                f"{dtype:<5} {real:>5.2f} {speed['padded']:>13,.0f} {speed['packed']:>13,.0f} "
+                f"{speed['packed'] / speed['padded']:>13.2f}×",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 import transformer.loss  # noqa: E402
 from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
@@ -46,8 +45,12 @@ def rdrop_loss(logits: torch.Tensor, target: torch.Tensor, block: int) -> None:
 
 
 @click.command()
-@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
+@click.option(
+    "--vocab-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
+)
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed calls of each way, taking turns.")
 def main(vocab_dir: Path | None, reps: int) -> None:
     """Prints milliseconds per loss and per update, whole and blocked; see the module docstring."""
@@ -62,8 +65,11 @@ def main(vocab_dir: Path | None, reps: int) -> None:
     target = batch.tgt_out[batch.tgt_out != PAD].repeat(2)
     g = torch.Generator().manual_seed(bench.SEED)
     logits = (3 * torch.randn(len(target), data.tgt_vocab, generator=g)).to(torch.bfloat16 if bf16 else torch.float32)
-    ms = bench.alternating_ms({name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
-                        warmup=1, reps=reps)
+    ms = bench.alternating_ms(
+        {name: lambda i, block=block: rdrop_loss(logits, target, block) for name, block in BLOCKS.items()},
+        warmup=1,
+        reps=reps,
+    )
     bench.print_speeds(f"loss of {len(target):,} rows × {data.tgt_vocab:,}, forward and backward (ms):", ms, "whole")
 
     size, blocks = bench.SIZES["small"], {"whole": WHOLE, f"{DEFAULT:,}": DEFAULT}
@@ -76,11 +82,13 @@ def main(vocab_dir: Path | None, reps: int) -> None:
         def run(i: int) -> None:
             transformer.loss._BLOCK = blocks[name]
             steps[name](batches[i])
+
         return run
 
     ms = bench.alternating_ms({name: update(name) for name in blocks}, warmup=2, reps=reps)
-    bench.print_speeds(f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms,
-                       "whole")
+    bench.print_speeds(
+        f"R-Drop updates of the {size.name} model ({reps} batches, ms), whole and in training's blocks:", ms, "whole"
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ PRESET = ROOT / "params" / "wmt14_en_de_base.yaml"
 CORPUS = "synthetic_wmt14"
 SPLITS = {"val": 3000, "test2014": 3003}
 TYPES = 1_000_000  # invented words per language (WMT14 has about this many distinct tokens a side)
-SYLLABLES = {"en": ["th", "er", "an", "re", "on", "at", "en", "nd", "st", "es", "ing", "ou", "ea", "al", "it", "ed"],
-             "de": ["ch", "er", "en", "ei", "ie", "sch", "un", "st", "ge", "ä", "ö", "ü", "ß", "au", "ung", "te"]}
+SYLLABLES = {
+    "en": ["th", "er", "an", "re", "on", "at", "en", "nd", "st", "es", "ing", "ou", "ea", "al", "it", "ed"],
+    "de": ["ch", "er", "en", "ei", "ie", "sch", "un", "st", "ge", "ä", "ö", "ü", "ß", "au", "ung", "te"],
+}
 
 
 @functools.cache
@@ -68,13 +70,13 @@ def write_side(path: Path, lengths, lang: str, seed: int) -> None:
     cdf = np.cumsum(1.0 / np.arange(1, TYPES + 1) ** 1.07)
     with open(path, "w", encoding="utf-8") as f:
         for start in range(0, len(lengths), 100_000):
-            chunk = lengths[start:start + 100_000]
+            chunk = lengths[start : start + 100_000]
             ids = np.searchsorted(cdf, rng.random(int(chunk.sum())) * cdf[-1]).tolist()
             commas = (rng.random(len(ids)) < 0.08).tolist()
             ends = (rng.random(len(chunk)) < 0.9).tolist()
             lines, at = [], 0
             for n, end in zip(chunk.tolist(), ends):
-                toks = [vocab[i] + "," if c else vocab[i] for i, c in zip(ids[at:at + n], commas[at:at + n])]
+                toks = [vocab[i] + "," if c else vocab[i] for i, c in zip(ids[at : at + n], commas[at : at + n])]
                 toks[-1] = toks[-1].rstrip(",") + ("." if end else " ?")
                 toks[0] = toks[0].capitalize()
                 lines.append(" ".join(toks))
@@ -112,28 +114,35 @@ def _sha256(path: Path) -> str:
 
 # Runs a script as its own __main__ and, at exit, reports its peak RSS (VmHWM: this process's
 # own, unlike ru_maxrss, which also counts the copy of the parent that fork made before exec).
-_PEAK = ("import atexit, runpy, sys\n"
-         "def peak():\n"
-         "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
-         "    print('peak_kb', hwm.split()[1], file=sys.stderr)\n"
-         "atexit.register(peak)\n"
-         "sys.argv = sys.argv[1:]\n"
-         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+_PEAK = (
+    "import atexit, runpy, sys\n"
+    "def peak():\n"
+    "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
+    "    print('peak_kb', hwm.split()[1], file=sys.stderr)\n"
+    "atexit.register(peak)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def measured(args: list[str]) -> dict[str, float]:
     """Runs a script to the end: wall time, CPU time (its children's too) and peak RSS."""
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-c", _PEAK, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _PEAK, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     output = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status):
         raise click.ClickException(f"{' '.join(args)} failed:\n{output[-3000:]}")
     lines = output.strip().splitlines()
     peak_kb = int(next(line.split()[1] for line in lines if line.startswith("peak_kb")))
-    row = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-           "peak_rss_gb": round(peak_kb / 2**20, 2), "load_avg_1m": round(os.getloadavg()[0], 1)}
+    row = {
+        "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "peak_rss_gb": round(peak_kb / 2**20, 2),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+    }
     extra = next((json.loads(line) for line in lines if line.startswith("{")), {})
     return row | extra
 
@@ -163,15 +172,23 @@ def startup(params_path: Path, vocab_dir: Path) -> dict[str, float]:
     lap("batch_plan_s")
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     rss = {k: round(int(status[k].split()[0]) / 2**20, 2) for k in ("RssAnon", "RssFile") if k in status}
-    return times | {"pairs": len(corpus), "valid_pairs": len(valid), "batches": len(batches), "updates": len(groups),
-                    "rss_anon_gb": rss.get("RssAnon"), "rss_file_gb": rss.get("RssFile")}
+    return times | {
+        "pairs": len(corpus),
+        "valid_pairs": len(valid),
+        "batches": len(batches),
+        "updates": len(groups),
+        "rss_anon_gb": rss.get("RssAnon"),
+        "rss_file_gb": rss.get("RssFile"),
+    }
 
 
 @click.command()
 @click.option("--pairs", default=4_500_000, show_default=True, help="training pairs to generate")
 @click.option("--work", default=Path("/tmp/transformer-scale"), type=click.Path(path_type=Path), show_default=True)
 @click.option("--out", default=Path("reports/scale.json"), type=click.Path(path_type=Path), show_default=True)
-@click.option("--startup-of", type=click.Path(path_type=Path), hidden=True, help="(internal) a vocab dir: time start-up")
+@click.option(
+    "--startup-of", type=click.Path(path_type=Path), hidden=True, help="(internal) a vocab dir: time start-up"
+)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), hidden=True)
 def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path: Path | None) -> None:
     if startup_of:  # the child process that times the train stage's start-up
@@ -186,16 +203,31 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
     params["data"].update(corpus=CORPUS, registry=str(work / "corpora.yaml"))
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     p = ["--params", str(work / "params.yaml")]
-    stages = {"download": ["stages/download.py", *p, "--out", str(work / "raw")],
-              "tokenize": ["stages/tokenize_corpus.py", *p, "--raw", str(work / "raw"), "--out", str(work / "tok"),
-                           "--report", str(work / "tokenize.json")],
-              "build_vocab": ["stages/build_vocab.py", *p, "--tokenized", str(work / "tok"), "--out", str(work / "vocab")],
-              "train_startup": ["bench/scale.py", *p, "--startup-of", str(work / "vocab")]}
+    stages = {
+        "download": ["stages/download.py", *p, "--out", str(work / "raw")],
+        "tokenize": [
+            "stages/tokenize_corpus.py",
+            *p,
+            "--raw",
+            str(work / "raw"),
+            "--out",
+            str(work / "tok"),
+            "--report",
+            str(work / "tokenize.json"),
+        ],
+        "build_vocab": ["stages/build_vocab.py", *p, "--tokenized", str(work / "tok"), "--out", str(work / "vocab")],
+        "train_startup": ["bench/scale.py", *p, "--startup-of", str(work / "vocab")],
+    }
     for name, args in stages.items():
         rows[name] = measured(args)
         click.echo(f"{name}: {rows[name]}", err=True)
-    report = {"pairs": pairs, "hardware": hardware(), "cpu_flags": _cpu_flags(), "stages": rows,
-              "corpus_bytes": sum(f.stat().st_size for f in (work / "corpus").iterdir())}
+    report = {
+        "pairs": pairs,
+        "hardware": hardware(),
+        "cpu_flags": _cpu_flags(),
+        "stages": rows,
+        "corpus_bytes": sum(f.stat().st_size for f in (work / "corpus").iterdir()),
+    }
     write_json(out, report)
     click.echo(json.dumps(report, indent=1))
 

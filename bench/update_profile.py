@@ -2,13 +2,15 @@
 
 Run from the repository root (under a minute on 2 cores):
 
-    python bench/update_profile.py [--vocab-dir data/vocab] [--rdrop 5.0] [--share 1.0] [--masks ours] [--updates 4] [--rows 15]
+    python bench/update_profile.py [--vocab-dir data/vocab] [--rdrop 5.0] [--share 1.0] [--masks ours]
+        [--updates 4] [--rows 15]
 
 The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam;
 freed memory kept, as training keeps it) in bf16 where the CPU has it, else fp32, over the token
 batches of the corpus in --vocab-dir, else of bench.py's synthetic Multi30k-like one; --rdrop
 0 times the plain update and --share 0.5 R-Drop on half of each batch's sentences; --masks
-torch draws dropout's masks with torch's F.dropout instead of transformer.dropout's. After --warmup untimed updates the profiler records --updates more.
+torch draws dropout's masks with torch's F.dropout instead of transformer.dropout's. After --warmup untimed updates the
+profiler records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
 `bernoulli_`, or the `random_` of ours; our masks' comparison counts with the rest), dtype
@@ -26,15 +28,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
 import dropout_masks  # noqa: E402
 
+import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 
 KINDS = {  # op name -> kind; ops not named here are "the rest"
-    "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
-    "aten::bernoulli_": "dropout masks", "aten::random_": "dropout masks",
+    "aten::mm": "matmuls",
+    "aten::addmm": "matmuls",
+    "aten::bmm": "matmuls",
+    "aten::bernoulli_": "dropout masks",
+    "aten::random_": "dropout masks",
     "aten::copy_": "casts and copies",
 }
 
@@ -60,13 +65,27 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
 
 
 @click.command()
-@click.option("--vocab-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.")
+@click.option(
+    "--vocab-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
+)
 @click.option("--rdrop", type=click.FloatRange(min=0.0), default=5.0, show_default=True, help="R-Drop's α; 0: plain")
-@click.option("--share", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
-              help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)")
-@click.option("--masks", type=click.Choice(["ours", "torch"]), default="ours", show_default=True,
-              help="Whose dropout masks the model draws.")
+@click.option(
+    "--share",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
+)
+@click.option(
+    "--masks",
+    type=click.Choice(["ours", "torch"]),
+    default="ours",
+    show_default=True,
+    help="Whose dropout masks the model draws.",
+)
 @click.option("--updates", type=click.IntRange(min=1), default=4, show_default=True, help="Updates profiled.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed updates first.")
 @click.option("--rows", type=click.IntRange(min=1), default=15, show_default=True, help="Ops listed.")
@@ -84,8 +103,12 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     finally:
         transformer.dropout.dropout = dropout_masks.WAYS["ours"]
     total = sum(times.values())
-    print(f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}{f' on {share:.0%} of the sentences' if rdrop and share < 1 else ''}; {masks}'s dropout masks; "
-          f"{torch.get_num_threads()} threads; {updates} updates, {total / updates * 1e3:,.0f} ms of CPU time each")
+    print(
+        f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}"
+        f"{f' on {share:.0%} of the sentences' if rdrop and share < 1 else ''}; "
+        f"{masks}'s dropout masks; "
+        f"{torch.get_num_threads()} threads; {updates} updates, {total / updates * 1e3:,.0f} ms of CPU time each"
+    )
     for op, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {op:<40} {seconds / total:6.1%}")
     print("by kind:", ", ".join(f"{kind} {share:.1%}" for kind, share in by_kind(times).items()))

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from transformer import checkpoints
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
+from transformer.stage import PARAMS, stage
 
 
 @click.command()

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import atomic_dir
+from transformer.stage import PARAMS, stage
 from transformer.vocab import build_vocabs
 
 
@@ -19,8 +19,9 @@ def main(params_path: Path, tokenized: Path, out: Path) -> None:
     params = load_params(params_path)
     d, v = params.data, params.vocab
     with atomic_dir(out) as tmp:
-        sizes = build_vocabs(tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid,
-                             v.seed)
+        sizes = build_vocabs(
+            tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid, v.seed
+        )
     click.echo(f"{v.kind} vocabulary: {sizes['src_size']} source, {sizes['tgt_size']} target entries", err=True)
 
 

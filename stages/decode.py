@@ -4,15 +4,20 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import read_lines, write_json, write_lines
+from transformer.stage import PARAMS, stage
 
 
 @click.command()
 @PARAMS
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path))
-@click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory, checked against the model")
+@click.option(
+    "--vocab",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="build_vocab's output directory, checked against the model",
+)
 @click.option("--source", required=True, type=click.Path(path_type=Path), help="tokenized source text")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="translations, one line per source line")
 @click.option("--report", required=True, type=click.Path(path_type=Path), help="JSON decoding speed")
@@ -25,8 +30,15 @@ def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Pa
     translator = Translator(model_path)
     translator.check_vocab(*load_vocabs(vocab), vocab)
     lines = read_lines(source)
-    hyps, speed = timed_translate(translator, lines, beam=p.beam, alpha=p.alpha, max_len_extra=p.max_len_extra,
-                                  batch_tokens=p.batch_tokens, progress=True)
+    hyps, speed = timed_translate(
+        translator,
+        lines,
+        beam=p.beam,
+        alpha=p.alpha,
+        max_len_extra=p.max_len_extra,
+        batch_tokens=p.batch_tokens,
+        progress=True,
+    )
     write_lines(out, hyps)
     write_json(report, speed | {"beam": p.beam})
     click.echo(f"{source}: {speed['sentences_per_s']} sentences/s, {speed['tokens_per_s']} tokens/s", err=True)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.download import download_corpus
+from transformer.stage import PARAMS, stage
 
 
 @click.command()

@@ -12,9 +12,19 @@ from transformer.stage import PARAMS, stage
 @click.command()
 @PARAMS
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="averaged model file")
-@click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory (its vocab.pt goes into the MLflow model)")
+@click.option(
+    "--vocab",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="build_vocab's output directory (its vocab.pt goes into the MLflow model)",
+)
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="CTranslate2 model directory")
-@click.option("--track/--no-track", default=True, show_default=True, help="log and register the MLflow model in the training's run")
+@click.option(
+    "--track/--no-track",
+    default=True,
+    show_default=True,
+    help="log and register the MLflow model in the training's run",
+)
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: bool) -> None:
     from transformer import checkpoints
@@ -25,9 +35,12 @@ def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: boo
     write_ctranslate2(model, out, p.quantization)
     click.echo(f"{model_path}: CTranslate2 model ({p.quantization}) in {out}", err=True)
     if model.get("members"):
-        click.echo(f"{model_path}: an ensemble of {len(model['members']) + 1} models; CTranslate2 searches with one, so "
-                   f"{out} holds the first member's alone (seed {model['params']['train']['seed']}); the MLflow model "
-                   f"and transformer translate use them all", err=True)
+        click.echo(
+            f"{model_path}: an ensemble of {len(model['members']) + 1} models; CTranslate2 searches with one, so "
+            f"{out} holds the first member's alone (seed {model['params']['train']['seed']}); the MLflow model "
+            f"and transformer translate use them all",
+            err=True,
+        )
     run_id = model.get("mlflow_run_id")
     if track and run_id:
         from transformer.serving import log_model

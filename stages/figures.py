@@ -4,19 +4,25 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
+from transformer.stage import PARAMS, stage
 
 
 @click.command()
 @PARAMS
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the averaged model")
-@click.option("--source", required=True, type=click.Path(path_type=Path),
-              help="tokenized source text; its first 3 non-empty sentences are translated greedily and drawn")
+@click.option(
+    "--source",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="tokenized source text; its first 3 non-empty sentences are translated greedily and drawn",
+)
 @click.option("--steps", required=True, type=click.Path(path_type=Path), help="train's per-update report (TSV)")
 @click.option("--epochs", required=True, type=click.Path(path_type=Path), help="train's per-epoch report (TSV)")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="directory of PNG figures")
-@click.option("--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run")
+@click.option(
+    "--track/--no-track", default=True, show_default=True, help="log the figures into the training's MLflow run"
+)
 @stage
 def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs: Path, out: Path, track: bool) -> None:
     from transformer.figures import draw_figures

@@ -4,24 +4,42 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import read_json, write_text
+from transformer.stage import PARAMS, stage
 
 
 @click.command()
 @PARAMS
 @click.option("--scores", required=True, type=click.Path(path_type=Path), help="the score stage's metrics JSON")
-@click.option("--signatures", required=True, type=click.Path(path_type=Path), help="the score stage's sacreBLEU signatures")
-@click.option("--evaluation", required=True, type=click.Path(path_type=Path),
-              help="the score stage's JSON naming the MLflow run of these scores")
+@click.option(
+    "--signatures", required=True, type=click.Path(path_type=Path), help="the score stage's sacreBLEU signatures"
+)
+@click.option(
+    "--evaluation",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="the score stage's JSON naming the MLflow run of these scores",
+)
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the model that translated")
-@click.option("--timings", required=True, type=click.Path(path_type=Path), help="directory of the stages' --timing files")
+@click.option(
+    "--timings", required=True, type=click.Path(path_type=Path), help="directory of the stages' --timing files"
+)
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="the report; other sections are kept")
-@click.option("--track/--no-track", default=True, show_default=True, help="log this section into that evaluation's MLflow run")
+@click.option(
+    "--track/--no-track", default=True, show_default=True, help="log this section into that evaluation's MLflow run"
+)
 @stage
-def main(params_path: Path, scores: Path, signatures: Path, evaluation: Path, model_path: Path, timings: Path,
-         out: Path, track: bool) -> None:
+def main(
+    params_path: Path,
+    scores: Path,
+    signatures: Path,
+    evaluation: Path,
+    model_path: Path,
+    timings: Path,
+    out: Path,
+    track: bool,
+) -> None:
     from transformer import checkpoints, report
     from transformer.system import describe_model, hardware
     from transformer.tracking import git_commit
@@ -32,9 +50,16 @@ def main(params_path: Path, scores: Path, signatures: Path, evaluation: Path, mo
     model = checkpoints.load(model_path)
     scored = read_json(scores)
     scored = {t: scored[t] for t in params.decode.testsets if t in scored}  # in params order
-    body = report.section(params, scored, read_json(signatures), describe_model(model),
-                          report.load_timings(timings, params.decode.testsets),
-                          report.load_anchors(d.corpus, d.src_lang, d.tgt_lang), hardware(), git_commit())
+    body = report.section(
+        params,
+        scored,
+        read_json(signatures),
+        describe_model(model),
+        report.load_timings(timings, params.decode.testsets),
+        report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
+        hardware(),
+        git_commit(),
+    )
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import write_json, write_text
+from transformer.stage import PARAMS, stage
 
 
 @click.command()
@@ -16,22 +16,48 @@ from transformer.io import write_json, write_text
 @click.option("--references", required=True, type=click.Path(path_type=Path), help="download's output directory")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="the model that translated")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="scores JSON (DVC metrics)")
-@click.option("--signatures", "signatures_path", required=True, type=click.Path(path_type=Path), help="JSON sacreBLEU signature per test set and metric")
+@click.option(
+    "--signatures",
+    "signatures_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="JSON sacreBLEU signature per test set and metric",
+)
 @click.option("--table", required=True, type=click.Path(path_type=Path), help="scores Markdown")
-@click.option("--evaluation", required=True, type=click.Path(path_type=Path),
-              help='JSON {"mlflow_run_id": this evaluation\'s run, null when untracked}')
-@click.option("--track/--no-track", default=True, show_default=True, help="log an MLflow run of its own, nested under the training's")
+@click.option(
+    "--evaluation",
+    required=True,
+    type=click.Path(path_type=Path),
+    help='JSON {"mlflow_run_id": this evaluation\'s run, null when untracked}',
+)
+@click.option(
+    "--track/--no-track",
+    default=True,
+    show_default=True,
+    help="log an MLflow run of its own, nested under the training's",
+)
 @stage
-def main(params_path: Path, translations: Path, references: Path, model_path: Path, out: Path, signatures_path: Path,
-         table: Path, evaluation: Path, track: bool) -> None:
+def main(
+    params_path: Path,
+    translations: Path,
+    references: Path,
+    model_path: Path,
+    out: Path,
+    signatures_path: Path,
+    table: Path,
+    evaluation: Path,
+    track: bool,
+) -> None:
     from transformer import checkpoints
     from transformer.score import markdown_report, score_files, signatures, values
     from transformer.system import describe_model, hardware
 
     params = load_params(params_path)
     tgt = params.data.tgt_lang
-    scores = {t: score_files(translations / f"{t}.txt", references / f"{t}.{tgt}", tgt, params.score.metrics)
-              for t in params.decode.testsets}
+    scores = {
+        t: score_files(translations / f"{t}.txt", references / f"{t}.{tgt}", tgt, params.score.metrics)
+        for t in params.decode.testsets
+    }
     model = checkpoints.load(model_path)
     meta = describe_model(model) | {"hardware": hardware()}
     scored = {t: values(s) for t, s in scores.items()}
@@ -45,8 +71,9 @@ def main(params_path: Path, translations: Path, references: Path, model_path: Pa
     write_json(evaluation, {"mlflow_run_id": run_id})
 
 
-def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path,
-                    table: Path) -> str:
+def _log_evaluation(
+    params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path, table: Path
+) -> str:
     """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files.
     Returns its id."""
     from transformer.config import flatten
@@ -54,13 +81,23 @@ def _log_evaluation(params, model: dict, scored: dict[str, dict[str, float]], tr
 
     d = params.data
     contexts = {"train": "training", d.valid: "validation"} | {t: "evaluation" for t in scored}
-    inputs = {f"{d.corpus}/{split}.{lang}": (references / f"{split}.{lang}", context)
-              for split, context in contexts.items() for lang in (d.src_lang, d.tgt_lang)}
+    inputs = {
+        f"{d.corpus}/{split}.{lang}": (references / f"{split}.{lang}", context)
+        for split, context in contexts.items()
+        for lang in (d.src_lang, d.tgt_lang)
+    }
     run_params = {k: v for k, v in flatten(params).items() if k.startswith(("decode.", "average."))}
     what = f"evaluate beam={params.decode.beam} alpha={params.decode.alpha}"
-    return log_evaluation(model["mlflow_run_id"], experiment_name(d.corpus, d.src_lang, d.tgt_lang), what,
-                          run_params, {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()}, model["step"],
-                          inputs, {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]})
+    return log_evaluation(
+        model["mlflow_run_id"],
+        experiment_name(d.corpus, d.src_lang, d.tgt_lang),
+        what,
+        run_params,
+        {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()},
+        model["step"],
+        inputs,
+        {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]},
+    )
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, stage
 from transformer.config import load_params
 from transformer.io import atomic_dir, write_json
+from transformer.stage import PARAMS, stage
 from transformer.tokenize import tokenize_corpus
 
 

@@ -5,25 +5,45 @@ from pathlib import Path
 
 import click
 
-from transformer.stage import PARAMS, Resumed, stage
 from transformer.config import load_params
+from transformer.stage import PARAMS, Resumed, stage
 
 
 @click.command()
 @PARAMS
 @click.option("--vocab", required=True, type=click.Path(path_type=Path), help="build_vocab's output directory")
-@click.option("--tokenized", type=click.Path(path_type=Path),
-              help="the tokenize stage's directory; its train text is segmented afresh each epoch when train.bpe_dropout > 0")
+@click.option(
+    "--tokenized",
+    type=click.Path(path_type=Path),
+    help="the tokenize stage's directory; its train text is segmented afresh each epoch when train.bpe_dropout > 0",
+)
 @click.option("--checkpoints", "ckpt_dir", required=True, type=click.Path(path_type=Path))
-@click.option("--steps", required=True, type=click.Path(path_type=Path), help="per-update report: loss, lr, tokens/s (TSV)")
-@click.option("--epochs", required=True, type=click.Path(path_type=Path), help="per-epoch report: train and validation loss (TSV)")
+@click.option(
+    "--steps", required=True, type=click.Path(path_type=Path), help="per-update report: loss, lr, tokens/s (TSV)"
+)
+@click.option(
+    "--epochs", required=True, type=click.Path(path_type=Path), help="per-epoch report: train and validation loss (TSV)"
+)
 @click.option("--summary", required=True, type=click.Path(path_type=Path), help="the run's metrics (JSON)")
-@click.option("--references", required=True, type=click.Path(path_type=Path),
-              help="raw reference translations of the validation split, for val BLEU")
+@click.option(
+    "--references",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="raw reference translations of the validation split, for val BLEU",
+)
 @click.option("--track/--no-track", default=True, show_default=True, help="log to MLflow")
 @stage
-def main(params_path: Path, vocab: Path, tokenized: Path | None, ckpt_dir: Path, steps: Path, epochs: Path,
-         summary: Path, references: Path, track: bool) -> Resumed:
+def main(
+    params_path: Path,
+    vocab: Path,
+    tokenized: Path | None,
+    ckpt_dir: Path,
+    steps: Path,
+    epochs: Path,
+    summary: Path,
+    references: Path,
+    track: bool,
+) -> Resumed:
     from transformer import tracking
     from transformer.train import Outputs, train_members
 

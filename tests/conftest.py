@@ -71,8 +71,18 @@ def tiny_params(**overrides) -> dict:
     params["data"].update(corpus="toy", registry="toy/corpora.yaml")
     params["vocab"].update(kind="bpe", size=120)
     params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-    params["train"].update(max_tokens=400, epochs=12, factor=1.0, warmup=100, cooldown=0.0, keep=3, precision="fp32", rdrop=0.0,
-                           rdrop_share=1.0, weight_decay=0.0)
+    params["train"].update(
+        max_tokens=400,
+        epochs=12,
+        factor=1.0,
+        warmup=100,
+        cooldown=0.0,
+        keep=3,
+        precision="fp32",
+        rdrop=0.0,
+        rdrop_share=1.0,
+        weight_decay=0.0,
+    )
     params["average"].update(last_k=2)
     params["decode"].update(beam=2, alpha=1.0)
     for key, value in overrides.items():
@@ -120,10 +130,27 @@ class MlflowServer:
         log = directory / "mlflow-server.log"
         self._log = open(log, "w")
         self.process = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
-             "--serve-artifacts", "--artifacts-destination", str(self.artifacts)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory, env=tool_env())
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{directory / 'server.db'}",
+                "--serve-artifacts",
+                "--artifacts-destination",
+                str(self.artifacts),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=directory,
+            env=tool_env(),
+        )
         try:
             wait_for_http(f"{self.uri}/health", self.process, log.read_text)
         except BaseException:
@@ -147,13 +174,29 @@ def stop_group(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             process.wait(15)
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 300, env: dict | None = None,
-        input_text: str | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str],
+    cwd: Path,
+    check: bool = True,
+    timeout: int = 300,
+    env: dict | None = None,
+    input_text: str | None = None,
+) -> subprocess.CompletedProcess:
     full_env = tool_env(**(env or {}))
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                            input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL)
+    result = subprocess.run(
+        cmd,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        input=input_text,
+        stdin=None if input_text is not None else subprocess.DEVNULL,
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
@@ -162,14 +205,24 @@ def train_outputs(directory: Path):
     from transformer.train import Outputs
 
     reports = directory / "reports"
-    return Outputs(directory / "ckpt", reports / "train_steps.tsv", reports / "train_epochs.tsv", reports / "train.json")
+    return Outputs(
+        directory / "ckpt", reports / "train_steps.tsv", reports / "train_epochs.tsv", reports / "train.json"
+    )
 
 
 def train_options(directory: Path) -> list[str]:
     """stages/train.py's output options for train_outputs(directory)."""
     out = train_outputs(directory)
-    return ["--checkpoints", str(out.checkpoints), "--steps", str(out.steps), "--epochs", str(out.epochs),
-            "--summary", str(out.summary)]
+    return [
+        "--checkpoints",
+        str(out.checkpoints),
+        "--steps",
+        str(out.steps),
+        "--epochs",
+        str(out.epochs),
+        "--summary",
+        str(out.summary),
+    ]
 
 
 @pytest.fixture
@@ -191,8 +244,11 @@ def project_copy(tmp_path: Path, params: dict) -> Path:
     repo.mkdir()
     for name in ("dvc.yaml", "stages", "transformer"):
         src = ROOT / name
-        (shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
-         else shutil.copy(src, repo / name))
+        (
+            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+            if src.is_dir()
+            else shutil.copy(src, repo / name)
+        )
     write_toy_corpus(repo / "toy")
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (repo / ".gitignore").write_text("mlflow.db\nmlartifacts/\n")
@@ -244,30 +300,61 @@ def _one_thread():
 # The fault and bad-input suite: each category lists the tests (file::name prefixes) that
 # prove a clear error, a non-zero exit or no partial output for one kind of fault.
 FAULTS = {
-    "1 params": ["test_config.py::test_unknown_", "test_config.py::test_missing_section",
-                 "test_config.py::test_missing_key", "test_config.py::test_empty_section", "test_config.py::test_wrong_type",
-                 "test_config.py::test_d_model_not_divisible", "test_config.py::test_out_of_range", "test_config.py::test_nan",
-                 "test_config.py::test_yaml_syntax", "test_config.py::test_error_from_a_file",
-                 "test_scale_out.py::test_params_that_become_path_components"],
-    "2 download": ["test_download.py::test_checksum_mismatch", "test_download.py::test_truncated_gzip",
-                   "test_download.py::test_file_missing_from_mirror", "test_download.py::test_archive_with_",
-                   "test_download.py::test_failure_keeps", "test_pipeline.py::test_download_stage",
-                   "test_scale_out.py::test_gzip_bomb", "test_scale_out.py::test_archive_member_beyond",
-                   "test_scale_out.py::test_plain_http", "test_scale_out.py::test_registry_names"],
-    "3 corpus": ["test_tokenize.py::test_misaligned", "test_tokenize.py::test_non_utf8", "test_tokenize.py::test_empty_",
-                 "test_tokenize.py::test_train_split_with_nothing", "test_download.py::test_non_utf8",
-                 "test_download.py::test_lines_split_only_at_newlines"],
+    "1 params": [
+        "test_config.py::test_unknown_",
+        "test_config.py::test_missing_section",
+        "test_config.py::test_missing_key",
+        "test_config.py::test_empty_section",
+        "test_config.py::test_wrong_type",
+        "test_config.py::test_d_model_not_divisible",
+        "test_config.py::test_out_of_range",
+        "test_config.py::test_nan",
+        "test_config.py::test_yaml_syntax",
+        "test_config.py::test_error_from_a_file",
+        "test_scale_out.py::test_params_that_become_path_components",
+    ],
+    "2 download": [
+        "test_download.py::test_checksum_mismatch",
+        "test_download.py::test_truncated_gzip",
+        "test_download.py::test_file_missing_from_mirror",
+        "test_download.py::test_archive_with_",
+        "test_download.py::test_failure_keeps",
+        "test_pipeline.py::test_download_stage",
+        "test_scale_out.py::test_gzip_bomb",
+        "test_scale_out.py::test_archive_member_beyond",
+        "test_scale_out.py::test_plain_http",
+        "test_scale_out.py::test_registry_names",
+    ],
+    "3 corpus": [
+        "test_tokenize.py::test_misaligned",
+        "test_tokenize.py::test_non_utf8",
+        "test_tokenize.py::test_empty_",
+        "test_tokenize.py::test_train_split_with_nothing",
+        "test_download.py::test_non_utf8",
+        "test_download.py::test_lines_split_only_at_newlines",
+    ],
     "4 vocabulary": ["test_translate.py::test_other_vocabulary", "test_translate.py::test_weights_that_do_not_fit"],
-    "5 checkpoint": ["test_checkpoints.py::test_truncated", "test_checkpoints.py::test_checkpoint_with_code",
-                     "test_checkpoints.py::test_checkpoint_lacking_keys", "test_checkpoints.py::test_file_that_is_not",
-                     "test_scale_out.py::test_model_file_config_is_bounded"],
+    "5 checkpoint": [
+        "test_checkpoints.py::test_truncated",
+        "test_checkpoints.py::test_checkpoint_with_code",
+        "test_checkpoints.py::test_checkpoint_lacking_keys",
+        "test_checkpoints.py::test_file_that_is_not",
+        "test_scale_out.py::test_model_file_config_is_bounded",
+    ],
     "6 training": ["test_train.py::test_diverging", "test_checkpoints.py::test_failed_save"],
     "7 tracking": ["test_train.py::test_unreachable_tracking"],
-    "8 interruptions": ["test_train.py::test_killed_training", "test_interruptions.py::test_decode_killed",
-                        "test_pipeline.py::test_repro_killed"],
-    "9 ddp": ["test_interruptions.py::test_dead_ddp_worker", "test_interruptions.py::test_a_killed_launcher",
-              "test_scale_out.py::test_two_ranks_with_dropout_resume",
-              "test_scale_out.py::test_two_nodes_without_a_shared_disk", "test_scale_out.py::test_nodes_with_other_params"],
+    "8 interruptions": [
+        "test_train.py::test_killed_training",
+        "test_interruptions.py::test_decode_killed",
+        "test_pipeline.py::test_repro_killed",
+    ],
+    "9 ddp": [
+        "test_interruptions.py::test_dead_ddp_worker",
+        "test_interruptions.py::test_a_killed_launcher",
+        "test_scale_out.py::test_two_ranks_with_dropout_resume",
+        "test_scale_out.py::test_two_nodes_without_a_shared_disk",
+        "test_scale_out.py::test_nodes_with_other_params",
+    ],
     "10 command line": ["test_faults_cli.py::"],
 }
 _fault_results: dict[str, list[bool]] = {}
@@ -304,8 +391,17 @@ def write_params(directory: Path, **overrides) -> Path:
 
 def train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
     """stages/train.py's arguments for a vocab_dir-style toy corpus, outputs under `out`, no tracking."""
-    return ["stages/train.py", "--params", str(params), "--vocab", str(vocab), *train_options(out),
-            "--references", str(vocab.parent / "toy" / "val.en"), "--no-track"]
+    return [
+        "stages/train.py",
+        "--params",
+        str(params),
+        "--vocab",
+        str(vocab),
+        *train_options(out),
+        "--references",
+        str(vocab.parent / "toy" / "val.en"),
+        "--no-track",
+    ]
 
 
 def same_values(a, b) -> bool:

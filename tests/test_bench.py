@@ -24,17 +24,34 @@ def data(tmp_path_factory):
 def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})
     assert [r["key"] for r in rows] == ["a", "b", "c", "d", "r", "t", "v", "x"]
-    assert {r["key"]: r["vs"] for r in rows} == {"a": "b", "b": None, "c": "d", "d": None, "r": "c", "t": "c", "v": "r", "x": "r"}
+    assert {r["key"]: r["vs"] for r in rows} == {
+        "a": "b",
+        "b": None,
+        "c": "d",
+        "d": None,
+        "r": "c",
+        "t": "c",
+        "v": "r",
+        "x": "r",
+    }
     assert all(r["dtype"] == "fp32" and r["tokens_per_s"] > 0 for r in rows)
     assert "bf16 not measured" in bench.table({"fp32": 1.0}, 0.0, rows)
 
 
 def test_with_a_bf16_peak_rows_e_f_s_u_w_and_y_run_in_bf16(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
-    assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [("e", "bf16", "d"), ("f", "bf16", "d"), ("r", "fp32", "c"),
-                                                            ("s", "bf16", "e"), ("t", "fp32", "c"), ("u", "bf16", "e"),
-                                                            ("v", "fp32", "r"), ("w", "bf16", "s"), ("x", "fp32", "r"),
-                                                            ("y", "bf16", "s")]
+    assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [
+        ("e", "bf16", "d"),
+        ("f", "bf16", "d"),
+        ("r", "fp32", "c"),
+        ("s", "bf16", "e"),
+        ("t", "fp32", "c"),
+        ("u", "bf16", "e"),
+        ("v", "fp32", "r"),
+        ("w", "bf16", "s"),
+        ("x", "fp32", "r"),
+        ("y", "bf16", "s"),
+    ]
 
 
 def test_the_rdrop_row_counts_corpus_tokens_once_and_credits_both_passes(data):
@@ -48,8 +65,10 @@ def test_the_shared_encoder_row_credits_one_encoder_pass_and_two_decoder_passes(
     rows = {r["key"]: r for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})}
     c, r, v = rows["c"], rows["r"], rows["v"]
     assert (v["updates"], v["target_tokens"]) == (r["updates"], r["target_tokens"])
-    encoder = sum(bench.train_flops(b, TINY, 50, 2) - bench.train_flops(b, TINY, 50, 2, shared_encoder=True)
-                  for b in bench.training_batches(data.corpus, bench.MAX_BATCHES)["token batches"][:v["updates"]])
+    encoder = sum(
+        bench.train_flops(b, TINY, 50, 2) - bench.train_flops(b, TINY, 50, 2, shared_encoder=True)
+        for b in bench.training_batches(data.corpus, bench.MAX_BATCHES)["token batches"][: v["updates"]]
+    )
     assert 0 < encoder / v["target_tokens"] < c["flops_per_token"]
     assert v["flops_per_token"] == pytest.approx(r["flops_per_token"] - encoder / v["target_tokens"], abs=1)
 
@@ -66,4 +85,20 @@ def test_ours_keeps_freed_memory_as_training_does_but_rows_t_and_u_and_the_basel
     monkeypatch.setattr(bench, "keep_freed_memory", lambda keep=True: kept.append(keep))
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
     assert [r["key"] for r in rows] == ["a", "b", "c", "d", "e", "f", "r", "s", "t", "u", "v", "w", "x", "y"]
-    assert kept == [True, False, True, False, True, True, True, True, False, False, True, True, True, True, True]  # each row's, then training's again
+    assert kept == [
+        True,
+        False,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+    ]  # each row's, then training's again

@@ -11,12 +11,12 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "bench"))
-import bench  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
 import rdrop_loss  # noqa: E402
 import update_profile  # noqa: E402
 
+import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 import transformer.loss  # noqa: E402
 

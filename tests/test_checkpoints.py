@@ -15,16 +15,24 @@ from transformer.io import DataError
 
 def _checkpoint(weight: float, step: int) -> dict:
     return {
-        "model": {"w": torch.full((2, 3), weight), "b": torch.tensor([weight, -weight]),
-                  "n": torch.tensor(step, dtype=torch.long)},
-        "model_config": {"N": 1, "d_model": 16}, "params": {"average": {"last_k": 2}},
-        "vocab": {"src": {"kind": "word", "itos": ["<s>"]}}, "step": step,
+        "model": {
+            "w": torch.full((2, 3), weight),
+            "b": torch.tensor([weight, -weight]),
+            "n": torch.tensor(step, dtype=torch.long),
+        },
+        "model_config": {"N": 1, "d_model": 16},
+        "params": {"average": {"last_k": 2}},
+        "vocab": {"src": {"kind": "word", "itos": ["<s>"]}},
+        "step": step,
     }
 
 
 def test_average_of_three_state_dicts_is_the_exact_mean():
-    states = [{"w": torch.tensor([1.0, 0.5, -2.0])}, {"w": torch.tensor([2.0, 1.5, 0.0])},
-              {"w": torch.tensor([3.0, 4.0, 8.0])}]
+    states = [
+        {"w": torch.tensor([1.0, 0.5, -2.0])},
+        {"w": torch.tensor([2.0, 1.5, 0.0])},
+        {"w": torch.tensor([3.0, 4.0, 8.0])},
+    ]
     averaged = average_state_dicts(states)
     assert torch.equal(averaged["w"], torch.tensor([2.0, 2.0, 2.0]))
     assert averaged["w"].dtype == torch.float32
@@ -32,17 +40,25 @@ def test_average_of_three_state_dicts_is_the_exact_mean():
 
 def test_half_precision_weights_are_averaged_in_float32_and_cast_back():
     # In float16, 2048 + 1 + 1 stays 2048 (the spacing there is 2); in float32 it is 2050.
-    states = [{"w": torch.tensor([2048.0], dtype=torch.float16)},
-              {"w": torch.tensor([1.0], dtype=torch.float16)},
-              {"w": torch.tensor([1.0], dtype=torch.float16)}]
+    states = [
+        {"w": torch.tensor([2048.0], dtype=torch.float16)},
+        {"w": torch.tensor([1.0], dtype=torch.float16)},
+        {"w": torch.tensor([1.0], dtype=torch.float16)},
+    ]
     averaged = average_state_dicts(states)
     assert averaged["w"].dtype == torch.float16
     assert averaged["w"].item() == torch.tensor(2050 / 3).half().item()  # 683.5, not 682.5
 
 
 def test_integer_buffers_come_from_the_last_state_and_stay_integer():
-    states = [{"w": torch.tensor([float(i)]), "count": torch.tensor([i], dtype=torch.long),
-               "mask": torch.tensor([i % 2 == 0])} for i in (1, 2, 3)]
+    states = [
+        {
+            "w": torch.tensor([float(i)]),
+            "count": torch.tensor([i], dtype=torch.long),
+            "mask": torch.tensor([i % 2 == 0]),
+        }
+        for i in (1, 2, 3)
+    ]
     averaged = average_state_dicts(states)
     assert averaged["count"].dtype == torch.long and averaged["count"].tolist() == [3]
     assert averaged["mask"].dtype == torch.bool and averaged["mask"].tolist() == [False]
@@ -114,7 +130,7 @@ def test_truncated_checkpoint_is_reported_as_truncated_or_corrupt(tmp_path, keep
     path = tmp_path / "m.pt"
     save(path, _checkpoint(1.0, 1))
     data = path.read_bytes()
-    path.write_bytes(data[:int(len(data) * keep)])
+    path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(DataError, match="truncated or corrupt") as e:
         load(path)
     assert str(path) in str(e.value)
@@ -200,8 +216,11 @@ def test_best_steps_are_the_highest_scores_in_step_order_and_ties_go_to_the_late
 
 
 def _with_history(weight: float, step: int, bleus: dict[int, float]) -> dict:
-    rows = [{"epoch": i + 1, "step": s, "val_loss": 1.0} | ({"val_bleu": b} if b is not None else {})
-            for i, (s, b) in enumerate(bleus.items()) if s <= step]
+    rows = [
+        {"epoch": i + 1, "step": s, "val_loss": 1.0} | ({"val_bleu": b} if b is not None else {})
+        for i, (s, b) in enumerate(bleus.items())
+        if s <= step
+    ]
     return _checkpoint(weight, step) | {"history": {"steps": [], "epochs": rows}}
 
 

@@ -52,8 +52,11 @@ def test_no_config_dataclass_has_a_default_to_contradict_params_yaml():
     sections = typing.get_type_hints(Params)
     assert list(sections) == list(_valid())  # every section of params.yaml, in its order
     for cls in (Params, *sections.values()):
-        defaulted = [f.name for f in dataclasses.fields(cls)
-                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        defaulted = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        ]
         assert not defaulted, f"{cls.__name__} has defaults for {', '.join(defaulted)}: params.yaml holds them"
 
 
@@ -191,7 +194,6 @@ def test_tied_embeddings_with_word_vocabulary_is_rejected():
     assert params_from_dict(raw).vocab.kind == "word"
 
 
-
 def test_partial_rdrop_on_a_shared_encoder_is_rejected():
     raw = _with("train", "rdrop_share", 0.5)
     raw["train"]["rdrop_shared_encoder"] = True
@@ -235,8 +237,9 @@ def test_averaging_more_checkpoints_than_kept_is_rejected():
     assert params_from_dict(raw).average.last_k == 6
 
 
-@pytest.mark.parametrize("section, key, value", [("average", "select", "worst"), ("train", "eval_every", -1),
-                                                 ("train", "patience", -2)])
+@pytest.mark.parametrize(
+    "section, key, value", [("average", "select", "worst"), ("train", "eval_every", -1), ("train", "patience", -2)]
+)
 def test_bad_validation_and_averaging_params_are_rejected_by_key(section, key, value):
     with pytest.raises(ConfigError) as e:
         params_from_dict(_with(section, key, value))
@@ -276,3 +279,17 @@ def test_params_are_frozen():
     params = params_from_dict(_valid())
     with pytest.raises(AttributeError):
         params.model.N = 6
+
+
+def test_model_ranges_are_checked_once_for_params_and_model_files():
+    from transformer.config import MAX_LAYERS, model_problems
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["model"]["N"] = MAX_LAYERS + 1
+    with pytest.raises(ConfigError, match=r"'model.N' = 65 must be in \[1, 64\]"):
+        params_from_dict(raw)
+    file_config = raw["model"] | {"N": 6, "h": 3, "src_vocab": 10, "tgt_vocab": 10, "pad": 10}
+    assert model_problems(file_config) == [
+        ("d_model", "is not divisible by model.h = 3"),
+        ("pad", "must be a token id of both vocabularies"),
+    ]

@@ -134,3 +134,11 @@ def test_editing_a_module_changes_exactly_the_stages_that_import_it(tmp_path):
     assert _importers("transformer/download.py", testsets) == {"download"}
     downstream = {"average_checkpoints", *(f"decode@{t}" for t in testsets), "score", "figures", "report"}
     assert downstream <= _importers("transformer/checkpoints.py", testsets)
+
+
+def test_train_stage_params_hold_the_checkpoint_identitys_sections():
+    """A change DVC does not rerun train for must not be one that makes a resumed run start afresh."""
+    from transformer.config import TRAIN_SECTIONS
+
+    declared = {p.split(".")[0] for p in stages()["train"]["params"] if isinstance(p, str)}
+    assert set(TRAIN_SECTIONS) <= declared, f"train's params lack {sorted(set(TRAIN_SECTIONS) - declared)}"

@@ -56,7 +56,9 @@ class Mirror:
         path = self.root / self.corpus / name
         path.write_bytes(data)
         digest = _sha(data) if sha256 == "auto" else sha256
-        self.entry.setdefault(split, {}).setdefault(lang, []).append({"url": f"{URL}/{name}", "sha256": digest, **extra})
+        self.entry.setdefault(split, {}).setdefault(lang, []).append(
+            {"url": f"{URL}/{name}", "sha256": digest, **extra}
+        )
         return path
 
     def write_registry(self) -> Path:
@@ -218,10 +220,19 @@ def test_local_path_sources_are_resolved_next_to_the_registry(tmp_path, monkeypa
     (local / "train.de.gz").write_bytes(de)
     (local / "train.en").write_bytes(en)
     registry = tmp_path / "corpora.yaml"
-    registry.write_text(yaml.safe_dump({"local": {"train": {
-        "de": [{"path": "files/train.de.gz", "sha256": _sha(de)}],
-        "en": [{"path": "files/train.en", "sha256": _sha(en)}],
-    }}}), encoding="utf-8")
+    registry.write_text(
+        yaml.safe_dump(
+            {
+                "local": {
+                    "train": {
+                        "de": [{"path": "files/train.de.gz", "sha256": _sha(de)}],
+                        "en": [{"path": "files/train.en", "sha256": _sha(en)}],
+                    }
+                }
+            }
+        ),
+        encoding="utf-8",
+    )
     counts = download_corpus(registry, "local", ("de", "en"), tmp_path / "raw")
     assert counts == {"train.de": 3, "train.en": 3}
     assert _lines(tmp_path / "raw" / "train.de") == DE
@@ -231,9 +242,19 @@ def test_local_path_sources_are_resolved_next_to_the_registry(tmp_path, monkeypa
 def test_missing_local_path_is_named(tmp_path, monkeypatch):
     monkeypatch.delenv(MIRROR_ENV, raising=False)
     registry = tmp_path / "corpora.yaml"
-    registry.write_text(yaml.safe_dump({"local": {"train": {
-        "de": [{"path": "nowhere.de", "sha256": None}], "en": [{"path": "nowhere.en", "sha256": None}],
-    }}}), encoding="utf-8")
+    registry.write_text(
+        yaml.safe_dump(
+            {
+                "local": {
+                    "train": {
+                        "de": [{"path": "nowhere.de", "sha256": None}],
+                        "en": [{"path": "nowhere.en", "sha256": None}],
+                    }
+                }
+            }
+        ),
+        encoding="utf-8",
+    )
     with pytest.raises(DataError, match="not found") as e:
         download_corpus(registry, "local", ("de", "en"), tmp_path / "raw")
     assert "nowhere.de" in str(e.value)

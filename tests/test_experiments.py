@@ -10,13 +10,20 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
-DOWNSTREAM_OF_TRAIN = {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures",
-                       "report", "export"}
+DOWNSTREAM_OF_TRAIN = {
+    "train",
+    "average_checkpoints",
+    "decode@val",
+    "decode@test2016",
+    "score",
+    "figures",
+    "report",
+    "export",
+}
 
 # The module's baseline trains 2 epochs (58 updates) to keep the suite short: test2016 BLEU 0.4-0.6
 # (measured), so the floor only says the model matched something; test_pipeline's 20-epoch run checks > 80.
@@ -77,8 +84,11 @@ def _artifacts(repo: Path, run_id: str, directory: str) -> dict[str, str]:
 
     client = mlflow_client(repo)
     with tempfile.TemporaryDirectory() as d:
-        return {a.path: Path(client.download_artifacts(run_id, a.path, d)).read_text(encoding="utf-8")
-                for a in client.list_artifacts(run_id, directory) if not a.is_dir}
+        return {
+            a.path: Path(client.download_artifacts(run_id, a.path, d)).read_text(encoding="utf-8")
+            for a in client.list_artifacts(run_id, directory)
+            if not a.is_dir
+        }
 
 
 def _assert_report_section(repo: Path, run, exp: dict) -> None:

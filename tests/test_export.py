@@ -27,11 +27,30 @@ LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
 def _model_file(path, norm: str, seed: int, decoder_N: int = 0):
     src = WordVocab.build(SRC_LINES, min_freq=1)
     tgt = WordVocab.build(["a dog runs", "two men play football", "a woman reads a book", "a child"], min_freq=1)
-    config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 2, "d_model": 16, "d_ff": 32, "h": 2,
-              "dropout": 0.0, "norm": norm, "tie_embeddings": False, "pad": PAD, "decoder_N": decoder_N}
+    config = {
+        "src_vocab": len(src),
+        "tgt_vocab": len(tgt),
+        "N": 2,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.0,
+        "norm": norm,
+        "tie_embeddings": False,
+        "pad": PAD,
+        "decoder_N": decoder_N,
+    }
     torch.manual_seed(seed)
-    checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config,
-                            "params": load_params(ROOT / "params.yaml").to_dict(), "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+    checkpoints.save(
+        path,
+        {
+            "model": make_model(**config).state_dict(),
+            "model_config": config,
+            "params": load_params(ROOT / "params.yaml").to_dict(),
+            "vocab": {"src": src.state(), "tgt": tgt.state()},
+            "step": 1,
+        },
+    )
     return path
 
 
@@ -43,7 +62,9 @@ def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm, deco
     for line in LINES:  # one at a time: CTranslate2 bounds a batch's length, we each sentence's
         src = torch.tensor([translator.src_vocab.encode(line) + [EOS]])
         ours = greedy(translator.model, src, torch.tensor([src.size(1) + 6]), 0, EOS)[0] if line else []
-        theirs = ctranslate2_translate(load_ctranslate2(tmp_path / "ct2"), translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6)[0]
+        theirs = ctranslate2_translate(
+            load_ctranslate2(tmp_path / "ct2"), translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6
+        )[0]
         assert theirs == ours, line
         ended += len(ours) < src.size(1) + 6
     assert 0 < ended < len(LINES)  # some sentences end on </s>, some at the length bound: both paths compared
@@ -51,24 +72,32 @@ def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm, deco
 
 def test_int8_export_is_smaller_and_still_translates(tmp_path):
     model = _model_file(tmp_path / "model.pt", "pre", seed=1)
-    result = CliRunner().invoke(main, ["export", "--model", str(model), "--out", str(tmp_path / "int8"), "--quantization", "int8"])
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(model), "--out", str(tmp_path / "int8"), "--quantization", "int8"]
+    )
     assert result.exit_code == 0, result.output
     export_ctranslate2(model, tmp_path / "fp32")
     size = {q: (tmp_path / q / "model.bin").stat().st_size for q in ("int8", "fp32")}
     assert size["int8"] < 0.8 * size["fp32"]
     translator = Translator(model, device="cpu")
-    out = ctranslate2_translate(load_ctranslate2(tmp_path / "int8"), translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6)
+    out = ctranslate2_translate(
+        load_ctranslate2(tmp_path / "int8"), translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6
+    )
     assert len(out) == len(LINES) and out[-1] == []
 
 
 def test_export_of_a_non_model_file_is_one_error_line_and_no_output(tmp_path):
     (tmp_path / "notes.txt").write_text("not weights\n")
-    result = CliRunner().invoke(main, ["export", "--model", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "ct2")])
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "ct2")]
+    )
     assert result.exit_code == 1 and result.stderr.startswith("error: ") and "not a model file" in result.stderr
     assert not (tmp_path / "ct2").exists() and list(tmp_path.iterdir()) == [tmp_path / "notes.txt"]
 
 
-def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_alias(model_and_vocab, tmp_path, monkeypatch):
+def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_alias(
+    model_and_vocab, tmp_path, monkeypatch
+):
     import mlflow
     from mlflow import MlflowClient
 
@@ -78,17 +107,37 @@ def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_a
     run_id = MlflowClient().create_run(MlflowClient().create_experiment("toy")).info.run_id
     tracked = checkpoints.load(model_path) | {"mlflow_run_id": run_id}
     checkpoints.save(tmp_path / "model.pt", tracked)
-    params = load_params(ROOT / "params.yaml").to_dict() | {"export": {"registered_name": "toy-translator", "quantization": "none"}}
+    params = load_params(ROOT / "params.yaml").to_dict() | {
+        "export": {"registered_name": "toy-translator", "quantization": "none"}
+    }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    run([str(BIN / "python"), str(ROOT / "stages" / "export.py"), "--params", "params.yaml", "--model", "model.pt",
-         "--vocab", str(vocab_path.parent), "--out", "ct2"], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    run(
+        [
+            str(BIN / "python"),
+            str(ROOT / "stages" / "export.py"),
+            "--params",
+            "params.yaml",
+            "--model",
+            "model.pt",
+            "--vocab",
+            str(vocab_path.parent),
+            "--out",
+            "ct2",
+        ],
+        tmp_path,
+        env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
+    )
     assert (tmp_path / "ct2" / "model.bin").exists()
     (version,) = MlflowClient().search_model_versions("name='toy-translator'")
     assert version.run_id == run_id and str(version.version) == "1"
-    result = CliRunner().invoke(main, ["promote", "1", "--alias", "champion", "--params", str(tmp_path / "params.yaml")])
+    result = CliRunner().invoke(
+        main, ["promote", "1", "--alias", "champion", "--params", str(tmp_path / "params.yaml")]
+    )
     assert result.exit_code == 0, result.output
     served = mlflow.pyfunc.load_model("models:/toy-translator@champion")
-    assert served.predict(["ein Hund läuft."]) == Translator.load(model_path, device="cpu").translate(["ein Hund läuft."])
+    assert served.predict(["ein Hund läuft."]) == Translator.load(model_path, device="cpu").translate(
+        ["ein Hund läuft."]
+    )
     assert CliRunner().invoke(main, ["promote", "7", "--params", str(tmp_path / "params.yaml")]).exit_code == 1
 
 
@@ -118,7 +167,10 @@ def test_dvc_artifacts_get_finds_the_model_by_name(model_and_vocab, tmp_path):
     run(["git", "add", "-A"], repo)
     git = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
     run(git + ["commit", "-qm", "model"], repo)
-    run(git + ["tag", "-a", "transformer-model@v1.0.0", "-m", "Registering artifact transformer-model version v1.0.0"], repo)
+    run(
+        git + ["tag", "-a", "transformer-model@v1.0.0", "-m", "Registering artifact transformer-model version v1.0.0"],
+        repo,
+    )
     (tmp_path / "elsewhere").mkdir()
     run([dvc, "artifacts", "get", str(repo), "transformer-model"], tmp_path / "elsewhere")
     assert (tmp_path / "elsewhere" / "model.pt").read_bytes() == model_and_vocab[0].read_bytes()
@@ -139,8 +191,12 @@ def test_bench_measures_ours_against_ctranslate2_fp32_and_int8_in_one_run(tmp_pa
     rows = bench.model_rows(model, tmp_path / "src", tmp_path / "ref", tmp_path / "work", beam=1)
     assert [(r["key"], r["dtype"]) for r in rows] == [("j", "fp32"), ("k", "fp32"), ("l", "int8")]
     assert all(r["tokens_per_s"] > 0 and r["sentences"] == 4 for r in rows)
-    assert rows[0]["bleu"] == rows[1]["bleu"] and rows[0]["target_tokens"] == rows[1]["target_tokens"]  # greedy fp32: same output
-    assert rows[0]["vs"] == "k" and rows[0]["ratio"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=1e-3)
+    assert (
+        rows[0]["bleu"] == rows[1]["bleu"] and rows[0]["target_tokens"] == rows[1]["target_tokens"]
+    )  # greedy fp32: same output
+    assert rows[0]["vs"] == "k" and rows[0]["ratio"] == pytest.approx(
+        rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"], abs=1e-3
+    )
 
 
 def test_export_of_an_ensemble_writes_its_first_member(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_params, train_outputs
 
 from transformer import train as train_module
 from transformer.attention import attention_kernels
@@ -13,12 +14,13 @@ from transformer.loss import token_loss
 from transformer.model import make_model
 from transformer.search import beam_search, greedy
 from transformer.vocab import PAD
-from conftest import tiny_params, train_outputs
 
 
 def _model(N: int = 2):
     torch.manual_seed(0)
-    return make_model(20, 20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=PAD).eval()
+    return make_model(
+        src_vocab=20, tgt_vocab=20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=PAD
+    ).eval()
 
 
 def _src():
@@ -58,9 +60,14 @@ def test_training_batches_by_token_count(monkeypatch, vocab_dir, tmp_path):
 def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
     model = _model()
     lengths = []
-    model.decoder.layers[0].self_attn.register_forward_hook(lambda module, inputs, output: lengths.append(inputs[0].shape[1]))
+    model.decoder.layers[0].self_attn.register_forward_hook(
+        lambda module, inputs, output: lengths.append(inputs[0].shape[1])
+    )
     max_len = torch.tensor([8, 8, 8])
-    for search in (lambda: greedy(model, _src(), max_len, 0, 1), lambda: beam_search(model, _src(), 3, 0.6, max_len, 0, 1)):
+    for search in (
+        lambda: greedy(model, _src(), max_len, 0, 1),
+        lambda: beam_search(model, _src(), 3, 0.6, max_len, 0, 1),
+    ):
         lengths.clear()
         search()
         assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"
@@ -69,7 +76,11 @@ def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
 def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, tmp_path):
     seen = []
     original = train_module.attention_kernels
-    monkeypatch.setattr(train_module, "attention_kernels", lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16))
+    monkeypatch.setattr(
+        train_module,
+        "attention_kernels",
+        lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16),
+    )
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
     train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert seen and set(seen) == {("cpu", True)}

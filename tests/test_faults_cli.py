@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, MlflowServer, run, tiny_params, tool_env, write_toy_corpus
 
 STAGES = ROOT / "stages"
@@ -31,24 +30,110 @@ def _commands() -> dict[str, list[str]]:
         "download": ["download.py", *p, "--out", "raw"],
         "tokenize": ["tokenize_corpus.py", *p, "--raw", "raw", "--out", "tok", "--report", "tokenize.json"],
         "build_vocab": ["build_vocab.py", *p, "--tokenized", "tok", "--out", "vocab"],
-        "train": ["train.py", *p, "--vocab", "vocab", "--tokenized", "tok", "--checkpoints", "ckpt",
-                  "--steps", "reports/train_steps.tsv", "--epochs", "reports/train_epochs.tsv", "--summary", "reports/train.json",
-                  "--references", "raw/val.en", "--no-track"],
-        "average_checkpoints": ["average_checkpoints.py", *p, "--checkpoints", "ckpt", "--out", "model/model.pt", "--no-track"],
-        "decode": ["decode.py", *p, "--model", "model/model.pt", "--vocab", "vocab", "--source", "tok/val.de",
-                   "--out", "translations/val.txt", "--report", "decode.json"],
-        "score": ["score.py", *p, "--translations", "translations", "--references", "raw", "--model", "model/model.pt",
-                  "--out", "scores.json", "--signatures", "signatures.json", "--table", "scores.md",
-                  "--evaluation", "evaluation.json", "--no-track"],
-        "figures": ["figures.py", *p, "--model", "model/model.pt", "--source", "tok/val.de", "--steps", "reports/train_steps.tsv",
-                    "--epochs", "reports/train_epochs.tsv", "--out", "figures", "--no-track"],
-        "report": ["report.py", *p, "--scores", "scores.json", "--signatures", "signatures.json", "--evaluation", "evaluation.json",
-                   "--model", "model/model.pt", "--timings", "timings", "--out", "reproduction.md", "--no-track"],
+        "train": [
+            "train.py",
+            *p,
+            "--vocab",
+            "vocab",
+            "--tokenized",
+            "tok",
+            "--checkpoints",
+            "ckpt",
+            "--steps",
+            "reports/train_steps.tsv",
+            "--epochs",
+            "reports/train_epochs.tsv",
+            "--summary",
+            "reports/train.json",
+            "--references",
+            "raw/val.en",
+            "--no-track",
+        ],
+        "average_checkpoints": [
+            "average_checkpoints.py",
+            *p,
+            "--checkpoints",
+            "ckpt",
+            "--out",
+            "model/model.pt",
+            "--no-track",
+        ],
+        "decode": [
+            "decode.py",
+            *p,
+            "--model",
+            "model/model.pt",
+            "--vocab",
+            "vocab",
+            "--source",
+            "tok/val.de",
+            "--out",
+            "translations/val.txt",
+            "--report",
+            "decode.json",
+        ],
+        "score": [
+            "score.py",
+            *p,
+            "--translations",
+            "translations",
+            "--references",
+            "raw",
+            "--model",
+            "model/model.pt",
+            "--out",
+            "scores.json",
+            "--signatures",
+            "signatures.json",
+            "--table",
+            "scores.md",
+            "--evaluation",
+            "evaluation.json",
+            "--no-track",
+        ],
+        "figures": [
+            "figures.py",
+            *p,
+            "--model",
+            "model/model.pt",
+            "--source",
+            "tok/val.de",
+            "--steps",
+            "reports/train_steps.tsv",
+            "--epochs",
+            "reports/train_epochs.tsv",
+            "--out",
+            "figures",
+            "--no-track",
+        ],
+        "report": [
+            "report.py",
+            *p,
+            "--scores",
+            "scores.json",
+            "--signatures",
+            "signatures.json",
+            "--evaluation",
+            "evaluation.json",
+            "--model",
+            "model/model.pt",
+            "--timings",
+            "timings",
+            "--out",
+            "reproduction.md",
+            "--no-track",
+        ],
     }
 
 
-def _stage(d: Path, name: str, check: bool = True, env: dict | None = None, file_limit: int | None = None,
-           extra: list[str] = ()) -> subprocess.CompletedProcess:
+def _stage(
+    d: Path,
+    name: str,
+    check: bool = True,
+    env: dict | None = None,
+    file_limit: int | None = None,
+    extra: list[str] = (),
+) -> subprocess.CompletedProcess:
     script, *args = _commands()[name]
     cmd = [sys.executable, str(STAGES / script), *args, *extra]
     if file_limit is None:
@@ -59,8 +144,16 @@ def _stage(d: Path, name: str, check: bool = True, env: dict | None = None, file
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
     full_env = tool_env(**(env or {}))
-    return subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=300, env=full_env,
-                          stdin=subprocess.DEVNULL, preexec_fn=limit_file_size)
+    return subprocess.run(
+        cmd,
+        cwd=d,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=full_env,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=limit_file_size,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +177,9 @@ def work(tmp_path, good) -> Path:
 
 def _snapshot(d: Path) -> dict[str, str]:
     """sha256 of every file under d, hidden ones (temporary files) included."""
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def _assert_fails_cleanly(d: Path, stage: str, where: str | Path, **kwargs) -> str:
@@ -219,8 +314,12 @@ class _DyingServer:
                     return
                 length = int(self.headers.get("Content-Length") or 0)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                request = urllib.request.Request(server.upstream.uri + self.path, data=self.rfile.read(length) if length else None,
-                                                 headers=headers, method=self.command)
+                request = urllib.request.Request(
+                    server.upstream.uri + self.path,
+                    data=self.rfile.read(length) if length else None,
+                    headers=headers,
+                    method=self.command,
+                )
                 try:
                     with urllib.request.urlopen(request, timeout=60) as response:
                         status, reply, body = response.status, response.headers, response.read()
@@ -250,9 +349,15 @@ def test_train_whose_tracking_server_dies_after_its_outputs_fails_in_one_line_an
     shutil.copytree(good, work, ignore=shutil.ignore_patterns("ckpt", "reports"))
     server = _DyingServer(tmp_path)
     try:
-        env = {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+        env = {
+            "MLFLOW_TRACKING_URI": server.uri,
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+        }
         script, *args = _commands()["train"]
-        result = run([sys.executable, str(STAGES / script), *[a for a in args if a != "--no-track"]], work, check=False, env=env)
+        result = run(
+            [sys.executable, str(STAGES / script), *[a for a in args if a != "--no-track"]], work, check=False, env=env
+        )
     finally:
         server.kill()
     assert server.died.is_set(), "train never uploaded an artifact"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import BIN, ROOT, run
+
 from transformer import checkpoints
 from transformer.config import load_params
 from transformer.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
@@ -19,8 +19,18 @@ WORDS = ["kan", "pen", "bin", "don", "."]
 def _tiny(h: int = 2):
     torch.manual_seed(0)
     vocab = WordVocab(list(SPECIALS) + WORDS)
-    config = {"src_vocab": len(vocab), "tgt_vocab": len(vocab), "N": 1, "d_model": 16, "d_ff": 32, "h": h,
-              "dropout": 0.0, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    config = {
+        "src_vocab": len(vocab),
+        "tgt_vocab": len(vocab),
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": h,
+        "dropout": 0.0,
+        "norm": "pre",
+        "tie_embeddings": False,
+        "pad": PAD,
+    }
     return make_model(**config), vocab, config
 
 
@@ -30,14 +40,21 @@ def _checkpoint(tmp_path):
     params["decode"]["max_len_extra"] = 4
     reports = tmp_path / "reports"
     reports.mkdir()
-    (reports / "train_steps.tsv").write_text("step\tloss\tlr\ttokens_per_s\n" + "".join(
-        f"{s}\t{5 - s / 10}\t{s * 1e-4}\t1000\n" for s in range(1, 31)))
-    (reports / "train_epochs.tsv").write_text("epoch\tstep\ttrain_loss\tval_loss\tval_ppl\n"
-                                              "1\t15\t4\t4.2\t66\n2\t30\t3\t3.4\t30\n")
+    (reports / "train_steps.tsv").write_text(
+        "step\tloss\tlr\ttokens_per_s\n" + "".join(f"{s}\t{5 - s / 10}\t{s * 1e-4}\t1000\n" for s in range(1, 31))
+    )
+    (reports / "train_epochs.tsv").write_text(
+        "epoch\tstep\ttrain_loss\tval_loss\tval_ppl\n1\t15\t4\t4.2\t66\n2\t30\t3\t3.4\t30\n"
+    )
     source = tmp_path / "val.de"
     source.write_text("\nkan pen .\nbin don kan pen .\nbin .\ndon don .\n")  # empty first line: skipped
-    ckpt = {"model": model.state_dict(), "model_config": config, "vocab": {"src": vocab.state(), "tgt": vocab.state()},
-            "params": params, "step": 30}
+    ckpt = {
+        "model": model.state_dict(),
+        "model_config": config,
+        "vocab": {"src": vocab.state(), "tgt": vocab.state()},
+        "params": params,
+        "step": 30,
+    }
     return ckpt, source, reports
 
 
@@ -78,10 +95,22 @@ def test_a_ragged_train_report_is_refused_by_file(tmp_path):
 def test_draw_figures_writes_every_png_and_no_temporary_file(tmp_path):
     ckpt, source, reports = _checkpoint(tmp_path)
     model, _, _ = _tiny()
-    drawn = draw_figures(model, ckpt, source, reports / "train_steps.tsv", reports / "train_epochs.tsv", tmp_path / "figures",
-                         d_model=16, factor=1.0, warmup=10, cooldown=0.0)
-    assert [p.name for p in drawn] == sorted(["lr_schedule.png", "loss.png"] + [
-        f"attention_{n}_{kind}.png" for n in (1, 2, 3) for kind in ("encoder", "decoder", "source")])
+    drawn = draw_figures(
+        model,
+        ckpt,
+        source,
+        reports / "train_steps.tsv",
+        reports / "train_epochs.tsv",
+        tmp_path / "figures",
+        d_model=16,
+        factor=1.0,
+        warmup=10,
+        cooldown=0.0,
+    )
+    assert [p.name for p in drawn] == sorted(
+        ["lr_schedule.png", "loss.png"]
+        + [f"attention_{n}_{kind}.png" for n in (1, 2, 3) for kind in ("encoder", "decoder", "source")]
+    )
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -98,13 +127,26 @@ def test_the_same_data_draws_the_same_bytes(tmp_path):
 def test_figures_stage_draws_the_same_bytes_in_two_processes_and_reports_a_missing_model_in_one_line(tmp_path):
     ckpt, source, reports = _checkpoint(tmp_path)
     checkpoints.save(tmp_path / "model.pt", ckpt)
-    cmd = [str(BIN / "python"), str(ROOT / "stages/figures.py"), "--params", str(ROOT / "params.yaml"),
-           "--source", str(source), "--steps", str(reports / "train_steps.tsv"), "--epochs", str(reports / "train_epochs.tsv"),
-           "--no-track"]
+    cmd = [
+        str(BIN / "python"),
+        str(ROOT / "stages/figures.py"),
+        "--params",
+        str(ROOT / "params.yaml"),
+        "--source",
+        str(source),
+        "--steps",
+        str(reports / "train_steps.tsv"),
+        "--epochs",
+        str(reports / "train_epochs.tsv"),
+        "--no-track",
+    ]
     drawn = {}
     for out, hash_seed in (("figures", "1"), ("figures2", "2")):  # other processes, other str hashes
-        result = run(cmd + ["--model", str(tmp_path / "model.pt"), "--out", str(tmp_path / out)], tmp_path,
-                     env={"PYTHONHASHSEED": hash_seed})
+        result = run(
+            cmd + ["--model", str(tmp_path / "model.pt"), "--out", str(tmp_path / out)],
+            tmp_path,
+            env={"PYTHONHASHSEED": hash_seed},
+        )
         assert "drew 11 figures" in result.stderr
         drawn[out] = {p.name: p.read_bytes() for p in sorted((tmp_path / out).iterdir())}
     assert len(drawn["figures"]) == 11 and drawn["figures"] == drawn["figures2"]

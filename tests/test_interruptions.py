@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 import yaml
-
 from conftest import BIN, ROOT, run, tiny_params, tool_env, toy_pairs, train_options
+
 from transformer import checkpoints
 
 
@@ -32,8 +32,21 @@ def _wait_for(predicate, seconds: float) -> bool:
 def trained_model(tmp_path, vocab_dir) -> Path:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 2})))
-    run([sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path), "--references", str(tmp_path / "toy" / "val.en"),
-         "--no-track"], ROOT)
+    run(
+        [
+            sys.executable,
+            "stages/train.py",
+            "--params",
+            str(params),
+            "--vocab",
+            str(vocab_dir),
+            *train_options(tmp_path),
+            "--references",
+            str(tmp_path / "toy" / "val.en"),
+            "--no-track",
+        ],
+        ROOT,
+    )
     model = tmp_path / "model.pt"
     checkpoints.save(model, checkpoints.average_checkpoints(tmp_path / "ckpt", 1))
     return model
@@ -55,10 +68,26 @@ def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tm
     out.write_text("the previous output\n")
 
     def decode(params: Path) -> list[str]:
-        return [sys.executable, "stages/decode.py", "--params", str(params), "--model", str(trained_model), "--vocab",
-                str(vocab_dir), "--source", str(source), "--out", str(out), "--report", str(tmp_path / "speed.json")]
+        return [
+            sys.executable,
+            "stages/decode.py",
+            "--params",
+            str(params),
+            "--model",
+            str(trained_model),
+            "--vocab",
+            str(vocab_dir),
+            "--source",
+            str(source),
+            "--out",
+            str(out),
+            "--report",
+            str(tmp_path / "speed.json"),
+        ]
 
-    proc = subprocess.Popen(decode(slow), cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        decode(slow), cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     done = _sentences_done(proc, total=total)  # the progress bar's first count past 0
     assert done is not None and 0 < done < total // 2, f"decoding was not seen in its first half ({done} of {total})"
     proc.send_signal(signal.SIGKILL)
@@ -87,10 +116,29 @@ def test_a_killed_launcher_takes_its_worker_with_it(tmp_path, vocab_dir):
     (as killing `dvc repro` does) must not leave a worker training on, orphaned."""
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 1000})))  # it trains until killed
-    job = subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "1", "stages/train.py",
-                            "--params", str(params), "--vocab", str(vocab_dir), *train_options(tmp_path),
-                            "--references", str(vocab_dir.parent / "toy" / "val.en"), "--no-track"],
-                           cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            str(BIN / "torchrun"),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "stages/train.py",
+            "--params",
+            str(params),
+            "--vocab",
+            str(vocab_dir),
+            *train_options(tmp_path),
+            "--references",
+            str(vocab_dir.parent / "toy" / "val.en"),
+            "--no-track",
+        ],
+        cwd=ROOT,
+        env=tool_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     worker = None
     try:
         assert _wait_for(lambda: checkpoints.listed(tmp_path / "ckpt") or job.poll() is not None, 300)
@@ -100,8 +148,9 @@ def test_a_killed_launcher_takes_its_worker_with_it(tmp_path, vocab_dir):
         assert os.getsid(worker.pid) != os.getsid(job.pid)  # what makes the group kill miss it
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-        assert _wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30), \
+        assert _wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 30), (
             "the worker trains on after its launcher was killed"
+        )
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -115,16 +164,37 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights
     params.write_text(yaml.safe_dump(tiny_params(**{"train.nproc": 2, "train.epochs": 8, "train.save_every": 4})))
 
     def torchrun(out: Path) -> list[str]:
-        return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "stages/train.py", "--params", str(params),
-                "--vocab", str(vocab_dir), *train_options(out),
-                "--references", str(vocab_dir.parent / "toy" / "val.en"), "--no-track"]
+        return [
+            str(BIN / "torchrun"),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "stages/train.py",
+            "--params",
+            str(params),
+            "--vocab",
+            str(vocab_dir),
+            *train_options(out),
+            "--references",
+            str(vocab_dir.parent / "toy" / "val.en"),
+            "--no-track",
+        ]
 
     run(torchrun(tmp_path / "reference"), ROOT, timeout=1200)  # timeouts here are hang guards, not speed tests
     last = checkpoints.listed(tmp_path / "reference" / "ckpt")[-1]
-    job = subprocess.Popen(torchrun(tmp_path / "killed"), cwd=ROOT, env=tool_env(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        torchrun(tmp_path / "killed"),
+        cwd=ROOT,
+        env=tool_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert _wait_for(lambda: len(checkpoints.listed(tmp_path / "killed" / "ckpt")) >= 1 or job.poll() is not None, 900)
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "stages/train.py" in " ".join(p.cmdline())]
+    workers = [
+        p for p in psutil.Process(job.pid).children(recursive=True) if "stages/train.py" in " ".join(p.cmdline())
+    ]
     assert len(workers) == 2, "the job ended before a worker could be killed"
     rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
     rank1.send_signal(signal.SIGKILL)
@@ -140,5 +210,8 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights
     assert [p.name for p in kept] == [p.name for p in checkpoints.listed(tmp_path / "reference" / "ckpt")]
     mine, theirs = checkpoints.load(kept[-1], checkpoints.RESUME_KEYS), checkpoints.load(last, checkpoints.RESUME_KEYS)
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
-    assert all(torch.equal(a, b) for s, t in zip(mine["optimizer"]["state"].values(), theirs["optimizer"]["state"].values())
-               for a, b in zip(s.values(), t.values()))
+    assert all(
+        torch.equal(a, b)
+        for s, t in zip(mine["optimizer"]["state"].values(), theirs["optimizer"]["state"].values())
+        for a, b in zip(s.values(), t.values())
+    )

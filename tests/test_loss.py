@@ -18,8 +18,18 @@ PAD = 2
 def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
     torch.manual_seed(0)
     vocab = 20
-    model = make_model(vocab, vocab, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True,
-                       pad=PAD).eval()
+    model = make_model(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        norm="pre",
+        tie_embeddings=True,
+        pad=PAD,
+    ).eval()
     tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
     hidden = torch.randn(2, 4, 16)
 
@@ -35,7 +45,18 @@ def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
 
 def _tiny(dropout: float = 0.0):
     torch.manual_seed(0)
-    return make_model(20, 20, N=1, d_model=16, d_ff=32, h=2, dropout=dropout, norm="pre", tie_embeddings=True, pad=PAD)
+    return make_model(
+        src_vocab=20,
+        tgt_vocab=20,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=dropout,
+        norm="pre",
+        tie_embeddings=True,
+        pad=PAD,
+    )
 
 
 TGT_OUT = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
@@ -46,7 +67,9 @@ TGT_OUT = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
 def test_rdrop_loss_of_two_equal_passes_is_the_token_loss(smoothing):
     model, hidden = _tiny().eval(), torch.randn(2, 4, 16)
     alone = token_loss(model, hidden, TGT_OUT, PAD, smoothing)
-    assert float(rdrop_loss(model, hidden.repeat(2, 1, 1), TGT_OUT, PAD, smoothing, alpha=5.0)) == pytest.approx(float(alone), rel=1e-6)
+    assert float(rdrop_loss(model, hidden.repeat(2, 1, 1), TGT_OUT, PAD, smoothing, alpha=5.0)) == pytest.approx(
+        float(alone), rel=1e-6
+    )
 
 
 @torch.no_grad()  # values only
@@ -55,12 +78,13 @@ def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmet
     keep = TGT_OUT != PAD
     p = model.generator(first[keep]).log_softmax(-1)
     q = model.generator(second[keep]).log_softmax(-1)
-    kl = F.kl_div(q, p, log_target=True, reduction="sum") + F.kl_div(p, q, log_target=True, reduction="sum")  # KL(P||Q) + KL(Q||P)
+    kl = F.kl_div(q, p, log_target=True, reduction="sum") + F.kl_div(
+        p, q, log_target=True, reduction="sum"
+    )  # KL(P||Q) + KL(Q||P)
     ce = (token_loss(model, first, TGT_OUT, PAD, 0.1) + token_loss(model, second, TGT_OUT, PAD, 0.1)) / 2
     got = rdrop_loss(model, torch.cat([first, second]), TGT_OUT, PAD, 0.1, alpha=3.0)
     assert float(kl) > 0.1
     assert float(got) == pytest.approx(float(ce + 3.0 / 4 * kl), rel=1e-5)
-
 
 
 @torch.no_grad()  # values only
@@ -68,7 +92,9 @@ def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as
     model = _tiny().eval()  # no dropout: a sentence's two passes are equal and R-Drop's KL is 0
     tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD], [8, 9, 10, 1], [11, 1, PAD, PAD]])
     tgt_in = torch.cat([torch.zeros(4, 1, dtype=torch.long), tgt_out[:, :-1]], 1).masked_fill(tgt_out == PAD, PAD)
-    batch = Batch(torch.tensor([[4, 5, 1, PAD], [6, 1, PAD, PAD], [7, 8, 9, 1], [10, 1, PAD, PAD]]), tgt_in, tgt_out, 11)
+    batch = Batch(
+        torch.tensor([[4, 5, 1, PAD], [6, 1, PAD, PAD], [7, 8, 9, 1], [10, 1, PAD, PAD]]), tgt_in, tgt_out, 11
+    )
     seen = []
 
     def forward(src, tgt):
@@ -107,7 +133,9 @@ def test_the_two_passes_of_a_repeated_batch_draw_their_own_dropout():
     hidden = model(src.repeat(2, 1), tgt_in.repeat(2, 1))
     first, second = hidden.chunk(2)
     assert not torch.allclose(first, second)  # else R-Drop's KL would be 0 and its second pass wasted
-    assert float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=5.0)) > float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=0.0))
+    assert float(rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=5.0)) > float(
+        rdrop_loss(model, hidden, TGT_OUT, PAD, 0.1, alpha=0.0)
+    )
 
 
 @pytest.mark.parametrize("smoothing, zero_pad", [(0.0, False), (0.1, False), (0.1, True)])
@@ -124,7 +152,7 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
     tgt_out[0, 2] = PAD
 
     got = rdrop_loss(model, hidden, tgt_out, PAD, smoothing, alpha=5.0, zero_pad=zero_pad)
-    got_grad, = torch.autograd.grad(2.5 * got, hidden)
+    (got_grad,) = torch.autograd.grad(2.5 * got, hidden)
 
     keep = (tgt_out != PAD).flatten()
     logits = generator(hidden.flatten(0, 1)).view(2, rows, vocab)[:, keep]  # (2 passes, kept rows, V)
@@ -140,9 +168,11 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
     p, q = log_probs
     kl = ((p.exp() - q.exp()) * (p - q)).sum()
     expected = ce.mean() + 5.0 / 4 * kl
-    expected_grad, = torch.autograd.grad(2.5 * expected, hidden)
+    (expected_grad,) = torch.autograd.grad(2.5 * expected, hidden)
 
-    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)  # the logits are float32 (as under autocast)
+    assert float(got.detach()) == pytest.approx(
+        float(expected.detach()), rel=1e-6
+    )  # the logits are float32 (as under autocast)
     assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
     assert float(expected_grad[:, 2].abs().max()) == 0.0  # the pad position
 

@@ -31,7 +31,18 @@ def test_nbest_above_the_beam_size_is_refused():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
+    return make_model(
+        src_vocab=14,
+        tgt_vocab=14,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        norm="pre",
+        tie_embeddings=False,
+        pad=PAD,
+    ).eval()
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -48,7 +59,7 @@ def test_nbest_first_is_beam_searchs_answer_and_scores_are_the_models_log_probab
             target = h.tokens + ([EOS] if len(h.tokens) < max_len[i] else [])
             tgt_in = torch.tensor([[BOS] + target[:-1]])
             with torch.no_grad():
-                log_probs = torch.log_softmax(model.generator(model(src[i:i + 1], tgt_in)), -1)[0]
+                log_probs = torch.log_softmax(model.generator(model(src[i : i + 1], tgt_in)), -1)[0]
             expected = float(log_probs[torch.arange(len(target)), torch.tensor(target)].sum())
             assert h.log_prob == pytest.approx(expected, abs=1e-4)
 
@@ -76,13 +87,16 @@ def test_cli_nbest_writes_one_json_line_per_hypothesis(model_file):
 
 
 def test_cli_scores_alone_write_one_json_line_per_sentence(model_file):
-    result = CliRunner().invoke(main, ["translate", "--model", str(model_file), "--beam", "2", "--scores"],
-                                input="ein Hund\n\n")
+    result = CliRunner().invoke(
+        main, ["translate", "--model", str(model_file), "--beam", "2", "--scores"], input="ein Hund\n\n"
+    )
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["line"], r["rank"]) for r in rows] == [(1, 1), (2, 1)]
     assert rows[1] == {"line": 2, "rank": 1, "score": 0.0, "translation": ""}  # an empty line: nothing to score
 
 
 def test_cli_nbest_above_beam_is_a_usage_error(model_file):
-    result = CliRunner().invoke(main, ["translate", "--model", str(model_file), "--beam", "2", "--nbest", "3"], input="ein Hund\n")
+    result = CliRunner().invoke(
+        main, ["translate", "--model", str(model_file), "--beam", "2", "--nbest", "3"], input="ein Hund\n"
+    )
     assert result.exit_code == 2 and "--nbest" in result.output

@@ -16,7 +16,18 @@ NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values
 
 def _model(norm: str = "pre", dropout: float = 0.0):
     torch.manual_seed(0)
-    return make_model(V, V, N=2, d_model=16, d_ff=32, h=2, dropout=dropout, norm=norm, tie_embeddings=True, pad=PAD)
+    return make_model(
+        src_vocab=V,
+        tgt_vocab=V,
+        N=2,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=dropout,
+        norm=norm,
+        tie_embeddings=True,
+        pad=PAD,
+    )
 
 
 def _padded(lengths: list[int], seed: int) -> torch.Tensor:
@@ -32,7 +43,7 @@ def _outputs_and_gradients(model, threshold: float, monkeypatch) -> tuple[torch.
     monkeypatch.setattr(packing, "PACK_BELOW", threshold)
     model.zero_grad()
     real = model(SRC, TGT)[TGT != PAD]
-    (real ** 2).sum().backward()
+    (real**2).sum().backward()
     return real.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -49,7 +60,9 @@ def test_packed_outputs_and_gradients_equal_the_padded_ones(monkeypatch, norm):
 def _feed_forward_rows(model) -> list[int]:
     rows = []
     for stack in (model.encoder, model.decoder):
-        stack.layers[0].ff.w_1.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[:-1].numel()))
+        stack.layers[0].ff.w_1.register_forward_hook(
+            lambda module, inputs, output: rows.append(inputs[0].shape[:-1].numel())
+        )
     return rows
 
 

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import BIN, mlflow_client, mlflow_runs, project_copy, run, same_values, tiny_params, tool_env, write_toy_corpus
+from conftest import (
+    BIN,
+    mlflow_client,
+    mlflow_runs,
+    project_copy,
+    run,
+    same_values,
+    tiny_params,
+    tool_env,
+    write_toy_corpus,
+)
 
 DVC = str(BIN / "dvc")
 
@@ -24,8 +33,18 @@ DVC = str(BIN / "dvc")
 def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     repo = project_copy(tmp_path, tiny_params(**{"train.epochs": 20}))  # at 12 the toy model could still repeat a word
     first = run([DVC, "repro"], repo, timeout=600)
-    for stage in ("download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val",
-                  "decode@test2016", "score", "report", "export"):
+    for stage in (
+        "download",
+        "tokenize",
+        "build_vocab",
+        "train",
+        "average_checkpoints",
+        "decode@val",
+        "decode@test2016",
+        "score",
+        "report",
+        "export",
+    ):
         assert f"Running stage '{stage}'" in first.stdout
     assert (repo / "data/export/ctranslate2/model.bin").exists()
     scores = json.loads((repo / "reports/scores.json").read_text())
@@ -35,8 +54,11 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     assert "tok:13a" in (repo / "reports/scores.md").read_text()
     _assert_report_has_every_stage_and_score(repo, scores)
 
-    translated = run([str(BIN / "transformer"), "translate", "--model", "data/model/model.pt", "--beam", "1"], repo,
-                     input_text="kan pen.\n\nbin don.\n")
+    translated = run(
+        [str(BIN / "transformer"), "translate", "--model", "data/model/model.pt", "--beam", "1"],
+        repo,
+        input_text="kan pen.\n\nbin don.\n",
+    )
     assert translated.stdout.splitlines() == ["ak ep.", "", "ib od."]
 
     _assert_mlflow_runs_have_curves_and_scores(repo, scores)
@@ -55,13 +77,21 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
     assert "reports/scores.json" in shown and "test2016.bleu" in shown
 
 
-
 def _assert_report_has_every_stage_and_score(repo, scores):
     report = (repo / "reports/reproduction.md").read_text()
     assert report.count("<!-- begin toy de-en -->") == 1
     timed = {p.stem for p in (repo / "data/timings").glob("*.json")}
-    assert timed == {"download", "tokenize", "build_vocab", "train", "average_checkpoints", "decode@val", "decode@test2016",
-                     "score", "figures"}
+    assert timed == {
+        "download",
+        "tokenize",
+        "build_vocab",
+        "train",
+        "average_checkpoints",
+        "decode@val",
+        "decode@test2016",
+        "score",
+        "figures",
+    }
     for stage in timed:
         assert f"| {stage} |" in report
     assert f"| toy | de→en | test2016 | {scores['test2016']['bleu']} |" in report  # the headline row
@@ -83,8 +113,9 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert run_.data.tags["direction"] == "de-en"
     trained = {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert {"model", "vocab", "checkpoints"} <= trained and "reports" not in trained  # the report is the evaluation's
-    assert {"translations/test2016.txt", "reports/scores.md", "reports/reproduction.md"} <= \
-        {a.path for d in ("translations", "reports") for a in client.list_artifacts(evaluation.info.run_id, d)}
+    assert {"translations/test2016.txt", "reports/scores.md", "reports/reproduction.md"} <= {
+        a.path for d in ("translations", "reports") for a in client.list_artifacts(evaluation.info.run_id, d)
+    }
     (version,) = client.search_model_versions("name='transformer-multi30k-de-en'")  # the export stage registered it
     assert version.run_id == run_.info.run_id
 
@@ -143,8 +174,11 @@ SMALL = {"train.epochs": 3, "train.save_every": 10, "average.last_k": 2}
 
 def _tree(directory: Path) -> dict[str, str]:
     """sha256 of every file under `directory`, by relative path."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +214,15 @@ def _assert_same_model(repo: Path, reference: Path) -> None:
         assert same_values(mine[key], theirs[key]), f"model.pt differs in '{key}'"
 
 
-
-
 def _start_repro(repo: Path) -> subprocess.Popen:
-    return subprocess.Popen([DVC, "repro"], cwd=repo, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # its own process group: the kill takes the stage with it
+    return subprocess.Popen(
+        [DVC, "repro"],
+        cwd=repo,
+        env=tool_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # its own process group: the kill takes the stage with it
 
 
 def _kill_when(repro: subprocess.Popen, ready, what: str, seconds: float = 900) -> None:
@@ -255,7 +293,16 @@ def test_a_second_member_trains_alone_and_every_stage_after_train_uses_both(tmp_
     model = torch.load(repo / "data/model/model.pt", weights_only=True)
     assert [m["seed"] for m in model["members"]] == [2] and "holds the first member's alone" in ensemble.stderr
     ran = {line.split("'")[1] for line in ensemble.stdout.splitlines() if line.startswith("Running stage")}
-    assert ran == {"train", "average_checkpoints", "decode@val", "decode@test2016", "score", "figures", "report", "export"}
+    assert ran == {
+        "train",
+        "average_checkpoints",
+        "decode@val",
+        "decode@test2016",
+        "score",
+        "figures",
+        "report",
+        "export",
+    }
     assert "| ensemble | 2 models, seeds 1, 2:" in (repo / "reports/reproduction.md").read_text()
 
 

@@ -6,6 +6,7 @@ import tomllib
 
 import pytest
 import torch
+from conftest import ROOT, tiny_params
 
 from transformer import report, system
 from transformer.checkpoints import average_state_dicts
@@ -14,29 +15,54 @@ from transformer.io import DataError, write_json
 from transformer.model import make_model
 from transformer.system import describe_model
 from transformer.vocab import PAD
-from conftest import ROOT, tiny_params
 
-SCORES = {"val": {"bleu": 30.0, "bleu_tok_lc": 31.0, "chrf": 55.0, "ter": 50.0},
-          "test2016": {"bleu": 39.72, "bleu_tok_lc": 39.97, "chrf": 58.37, "ter": 42.47}}
+SCORES = {
+    "val": {"bleu": 30.0, "bleu_tok_lc": 31.0, "chrf": 55.0, "ter": 50.0},
+    "test2016": {"bleu": 39.72, "bleu_tok_lc": 39.97, "chrf": 58.37, "ter": 42.47},
+}
 SIGNATURES = {t: {"bleu": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"} for t in SCORES}
-MODEL = {"model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm", "parameters": "7.6M (7,578,624)", "updates": 2610,
-         "training time": "43.4 min", "averaged": "no"}
-ANCHOR = {"kind": "published", "testset": "test2016", "metric": "bleu_tok_lc", "bleu": 36.52, "how": "greedy",
-          "source": "a notebook"}
-BASELINE = {"kind": "baseline", "testset": "test2016", "metric": "bleu", "bleu": 37.5, "how": "torch.nn.Transformer",
-            "source": "our calibration run"}
+MODEL = {
+    "model": "N=3, d_model=256, d_ff=1024, h=4, pre-norm",
+    "parameters": "7.6M (7,578,624)",
+    "updates": 2610,
+    "training time": "43.4 min",
+    "averaged": "no",
+}
+ANCHOR = {
+    "kind": "published",
+    "testset": "test2016",
+    "metric": "bleu_tok_lc",
+    "bleu": 36.52,
+    "how": "greedy",
+    "source": "a notebook",
+}
+BASELINE = {
+    "kind": "baseline",
+    "testset": "test2016",
+    "metric": "bleu",
+    "bleu": 37.5,
+    "how": "torch.nn.Transformer",
+    "source": "our calibration run",
+}
 
 
 def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHOR,), label=""):
-    params = params_from_dict(tiny_params(**{"data.corpus": corpus, "data.src_lang": src, "data.tgt_lang": tgt,
-                                             "report.label": label}))
-    timings = timings if timings is not None else {"download": {"wall_s": 2.0, "finished": "t0"}, "train": {"wall_s": 118.0, "finished": "t1"}}
+    params = params_from_dict(
+        tiny_params(**{"data.corpus": corpus, "data.src_lang": src, "data.tgt_lang": tgt, "report.label": label})
+    )
+    timings = (
+        timings
+        if timings is not None
+        else {"download": {"wall_s": 2.0, "finished": "t0"}, "train": {"wall_s": 118.0, "finished": "t1"}}
+    )
     return report.section(params, SCORES, SIGNATURES, MODEL, timings, list(anchors), "2 CPU cores", "abc123")
 
 
 def test_section_sets_ours_beside_the_published_figure_in_its_metric():
     text = _section()
-    assert "| multi30k | de→en | test2016 | 39.72 | 39.97 | 58.37 | 42.47 | 36.52 BLEU tok-lc | none | 2.0 min |" in text
+    assert (
+        "| multi30k | de→en | test2016 | 39.72 | 39.97 | 58.37 | 42.47 | 36.52 BLEU tok-lc | none | 2.0 min |" in text
+    )
     assert "| test2016 | BLEU tok-lc | 36.52 | 39.97 | +3.45 | greedy | a notebook |" in text
     assert "`nrefs:1\\|case:mixed\\|eff:no\\|tok:13a\\|smooth:exp\\|version:2.6.0`" in text  # escaped inside the table
     assert "| **total** | **2.0 min** |" in text and "git commit abc123" in text
@@ -50,21 +76,39 @@ def test_recipe_names_the_cooldown_and_a_single_checkpoint():
 
 
 def test_recipe_names_the_regularizers_in_use_only():
-    params = params_from_dict(tiny_params(**{"train.bpe_dropout": 0.1, "train.rdrop": 5.0, "model.dropout": 0.3,
-                                             "train.weight_decay": 0.05}))
+    params = params_from_dict(
+        tiny_params(**{"train.bpe_dropout": 0.1, "train.rdrop": 5.0, "model.dropout": 0.3, "train.weight_decay": 0.05})
+    )
     text = "\n".join(report.recipe(params, MODEL))
-    assert "| regularization | label smoothing 0.1, dropout 0.3, BPE-dropout 0.1, weight decay 0.05, R-Drop α 5.0 |" in text
-    assert "| regularization | label smoothing 0.1, dropout 0.0 |" in "\n".join(report.recipe(params_from_dict(tiny_params()), MODEL))
-    shared = params_from_dict(tiny_params(**{"train.rdrop": 5.0, "train.rdrop_shared_encoder": True, "model.dropout": 0.1}))
-    assert "| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 5.0 on one encoder pass |" in "\n".join(report.recipe(shared, MODEL))
-    partial = params_from_dict(tiny_params(**{"train.rdrop": 4.0, "train.rdrop_share": 0.5, "train.rdrop_from": 0.3,
-                                              "model.dropout": 0.1}))
-    assert ("| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 4.0 on 50% of each batch's sentences "
-            "over the last 70% of the updates |") in "\n".join(report.recipe(partial, MODEL))
-    extra = params_from_dict(tiny_params(**{"model.dropout": 0.1, "model.attn_dropout": 0.1, "model.ff_dropout": 0.2,
-                                            "model.word_dropout": 0.15}))
-    assert ("| regularization | label smoothing 0.1, dropout 0.1, attention dropout 0.1, feed-forward dropout 0.2, "
-            "source word dropout 0.15 |") in "\n".join(report.recipe(extra, MODEL))
+    assert (
+        "| regularization | label smoothing 0.1, dropout 0.3, BPE-dropout 0.1, weight decay 0.05, R-Drop α 5.0 |"
+        in text
+    )
+    assert "| regularization | label smoothing 0.1, dropout 0.0 |" in "\n".join(
+        report.recipe(params_from_dict(tiny_params()), MODEL)
+    )
+    shared = params_from_dict(
+        tiny_params(**{"train.rdrop": 5.0, "train.rdrop_shared_encoder": True, "model.dropout": 0.1})
+    )
+    assert "| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 5.0 on one encoder pass |" in "\n".join(
+        report.recipe(shared, MODEL)
+    )
+    partial = params_from_dict(
+        tiny_params(**{"train.rdrop": 4.0, "train.rdrop_share": 0.5, "train.rdrop_from": 0.3, "model.dropout": 0.1})
+    )
+    assert (
+        "| regularization | label smoothing 0.1, dropout 0.1, R-Drop α 4.0 on 50% of each batch's sentences "
+        "over the last 70% of the updates |"
+    ) in "\n".join(report.recipe(partial, MODEL))
+    extra = params_from_dict(
+        tiny_params(
+            **{"model.dropout": 0.1, "model.attn_dropout": 0.1, "model.ff_dropout": 0.2, "model.word_dropout": 0.15}
+        )
+    )
+    assert (
+        "| regularization | label smoothing 0.1, dropout 0.1, attention dropout 0.1, feed-forward dropout 0.2, "
+        "source word dropout 0.15 |"
+    ) in "\n".join(report.recipe(extra, MODEL))
 
 
 def test_section_without_an_anchor_says_so():
@@ -100,8 +144,18 @@ def test_the_report_counts_a_tied_embedding_once():
     """The averaged file holds the tied embedding under three names (source, target, generator),
     each its own tensor; the model as built has it once."""
     torch.manual_seed(0)
-    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
-              "norm": "pre", "tie_embeddings": True, "pad": PAD}
+    config = {
+        "src_vocab": 40,
+        "tgt_vocab": 40,
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.0,
+        "norm": "pre",
+        "tie_embeddings": True,
+        "pad": PAD,
+    }
     model = make_model(**config)
     built = sum(p.numel() for p in model.parameters())
     averaged = average_state_dicts([model.state_dict(), model.state_dict()])
@@ -111,11 +165,23 @@ def test_the_report_counts_a_tied_embedding_once():
     assert f"| parameters | 0.0M ({built:,}) |" in recipe
 
 
-@pytest.mark.parametrize("decoder_N, model", [(0, "N=2, d_model=16"), (2, "N=2, d_model=16"),
-                                              (1, "N=2 (decoder 1), d_model=16")])
+@pytest.mark.parametrize(
+    "decoder_N, model", [(0, "N=2, d_model=16"), (2, "N=2, d_model=16"), (1, "N=2 (decoder 1), d_model=16")]
+)
 def test_the_report_names_the_decoders_depth_where_it_differs_from_the_encoders(decoder_N, model):
-    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 2, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
-              "norm": "pre", "tie_embeddings": True, "pad": PAD, "decoder_N": decoder_N}
+    config = {
+        "src_vocab": 40,
+        "tgt_vocab": 40,
+        "N": 2,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.0,
+        "norm": "pre",
+        "tie_embeddings": True,
+        "pad": PAD,
+        "decoder_N": decoder_N,
+    }
     described = describe_model({"model": make_model(**config).state_dict(), "model_config": config, "step": 1})
     assert described["model"].startswith(model + ",")
 
@@ -132,14 +198,20 @@ def test_merge_rewrites_its_own_section_and_keeps_the_others():
 
 
 def test_a_labelled_recipe_has_its_own_section_beside_the_default():
-    long = params_from_dict(tiny_params(**{"data.corpus": "multi30k", "data.src_lang": "en", "data.tgt_lang": "de",
-                                           "report.label": "long"}))
+    long = params_from_dict(
+        tiny_params(**{"data.corpus": "multi30k", "data.src_lang": "en", "data.tgt_lang": "de", "report.label": "long"})
+    )
     assert report.key(long) == "multi30k en-de long"
     default = report.merge("", "multi30k en-de", _section(src="en", tgt="de"))
     both = report.merge(default, report.key(long), _section(src="en", tgt="de", label="long"))
     long_part = both.split("<!-- begin multi30k en-de long -->")[1]
-    assert long_part.startswith("\n## multi30k en→de (long)\n") and "| multi30k | en→de (long) | test2016 |" in long_part
-    assert both.count("<!-- begin multi30k en-de -->") == 1 and "(long)" not in both.split("<!-- begin multi30k en-de long")[0]
+    assert (
+        long_part.startswith("\n## multi30k en→de (long)\n") and "| multi30k | en→de (long) | test2016 |" in long_part
+    )
+    assert (
+        both.count("<!-- begin multi30k en-de -->") == 1
+        and "(long)" not in both.split("<!-- begin multi30k en-de long")[0]
+    )
 
 
 def test_no_two_shipped_params_files_write_the_same_section():
@@ -153,8 +225,14 @@ def test_no_two_shipped_params_files_write_the_same_section():
 
 
 def test_timings_come_in_the_order_the_stages_finished(tmp_path):
-    finished = {"score": "02:50:58", "decode@val": "02:50:40", "figures": "02:51:10", "download": "02:09:25",
-                "train": "02:50:20", "decode@test2016": "02:50:52"}
+    finished = {
+        "score": "02:50:58",
+        "decode@val": "02:50:40",
+        "figures": "02:51:10",
+        "download": "02:09:25",
+        "train": "02:50:20",
+        "decode@test2016": "02:50:52",
+    }
     for name, time in finished.items():
         write_json(tmp_path / f"{name}.json", {"wall_s": 1.0, "finished": f"2026-11-22T{time}+00:00"})
     order = ["download", "train", "decode@val", "decode@test2016", "score", "figures"]
@@ -182,13 +260,19 @@ def test_every_multi30k_direction_has_a_published_anchor():
 
 
 def test_the_package_ships_the_data_files_it_reads():
-    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["transformer"]
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "transformer"
+    ]
     assert sorted(package_data) == sorted(p.name for p in (ROOT / "transformer").glob("*.yaml"))
 
 
 def test_readme_results_are_copied_from_the_report():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines() if line.startswith("| multi30k")]
+    rows = [
+        line
+        for line in readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines()
+        if line.startswith("| multi30k")
+    ]
     committed = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8").splitlines()
     assert rows and all(row in committed for row in rows)
 
@@ -211,7 +295,9 @@ def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch)
     monkeypatch.setenv("RANK", "0")
     assert runner.invoke(command, ["--timing", str(tmp_path / "t.json")]).exit_code == 0
     timing = report.load_timings(tmp_path, ("val",))["t"]
-    assert timing["wall_s"] > 0 and timing["finished"].endswith("+00:00")  # since the process started: pytest's age here
+    assert timing["wall_s"] > 0 and timing["finished"].endswith(
+        "+00:00"
+    )  # since the process started: pytest's age here
 
 
 def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report_says_so(tmp_path):
@@ -235,15 +321,28 @@ def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report
 
 
 def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_training_times():
-    config = {"src_vocab": 40, "tgt_vocab": 40, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0,
-              "norm": "pre", "tie_embeddings": True, "pad": PAD}
+    config = {
+        "src_vocab": 40,
+        "tgt_vocab": 40,
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.0,
+        "norm": "pre",
+        "tie_embeddings": True,
+        "pad": PAD,
+    }
     one = sum(p.numel() for p in make_model(**config).parameters())
-    described = describe_model({"model_config": config, "step": 9, "train_time_s": 600.0,
-                                "members": [{"seed": 3}, {"seed": 4}]})
+    described = describe_model(
+        {"model_config": config, "step": 9, "train_time_s": 600.0, "members": [{"seed": 3}, {"seed": 4}]}
+    )
     recipe = "\n".join(report.recipe(params_from_dict(tiny_params(**{"train.seed": 2, "train.members": 3})), described))
     assert f"| parameters | 0.0M ({one:,}) × 3 members |" in recipe
     assert "| ensemble | 3 models, seeds 2, 3, 4:" in recipe and "| training time | 10.0 min |" in recipe
-    assert "ensemble" not in "\n".join(report.recipe(params_from_dict(tiny_params()), describe_model({"model_config": config})))
+    assert "ensemble" not in "\n".join(
+        report.recipe(params_from_dict(tiny_params()), describe_model({"model_config": config}))
+    )
 
 
 def test_the_hardware_names_the_cpus_family_and_model_where_its_name_is_only_a_vendor_line(monkeypatch):

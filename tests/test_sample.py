@@ -20,7 +20,9 @@ DRAWS = 4000
 
 def _share_of_a(**how) -> float:
     decoder = ScriptedDecoder(*[COIN] * DRAWS)
-    hyps = sample(decoder, _src(DRAWS), _max_len(*[3] * DRAWS), BOS, EOS, generator=torch.Generator().manual_seed(0), **how)
+    hyps = sample(
+        decoder, _src(DRAWS), _max_len(*[3] * DRAWS), BOS, EOS, generator=torch.Generator().manual_seed(0), **how
+    )
     assert sum(h.tokens[:1] in ([A], [B]) for h in hyps) > 0.98 * DRAWS  # the script's floor lets a rare other through
     return sum(h.tokens[:1] == [A] for h in hyps) / DRAWS
 
@@ -42,7 +44,18 @@ def test_top_k_and_top_p_cut_the_tail():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
+    return make_model(
+        src_vocab=14,
+        tgt_vocab=14,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        norm="pre",
+        tie_embeddings=False,
+        pad=PAD,
+    ).eval()
 
 
 def test_sampling_with_top_k_one_is_greedy():

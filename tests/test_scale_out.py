@@ -23,8 +23,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from conftest import (
+    BIN,
+    ROOT,
+    free_port,
+    run,
+    tgz,
+    tiny_params,
+    tool_env,
+    toy_pairs,
+    train_cmd,
+    train_outputs,
+    write_params,
+)
 
-from conftest import BIN, ROOT, free_port, run, tgz, tiny_params, tool_env, toy_pairs, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, params_from_dict
@@ -46,14 +58,19 @@ def _env(**extra: str) -> dict:
     return tool_env(OMP_NUM_THREADS="1", **extra)
 
 
-
-
-
-
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
     cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
     if endpoint:
-        cmd += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "scale"]
+        cmd += [
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "scale",
+        ]
     return cmd
 
 
@@ -84,6 +101,7 @@ def _kill_9(jobs: list[subprocess.Popen]) -> None:
 @pytest.fixture(scope="module")
 def ddp_vocab(tmp_path_factory) -> Path:
     from conftest import write_toy_corpus
+
     from transformer.tokenize import tokenize_corpus
     from transformer.vocab import build_vocabs
 
@@ -119,7 +137,9 @@ def test_two_ranks_with_dropout_resume_after_kill_9_to_bit_identical_weights(tmp
 
 
 @pytest.mark.slow
-def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_weights(tmp_path, ddp_vocab, ddp_reference):
+def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_weights(
+    tmp_path, ddp_vocab, ddp_reference
+):
     """Node 0 keeps the checkpoints and sends the resume state; node 1's directory stays empty."""
     nodes = [tmp_path / f"node{i}" for i in (0, 1)]
     for node in nodes:  # each node its own copy of the inputs: nothing is shared but the network
@@ -129,9 +149,17 @@ def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_we
 
     def start() -> list[subprocess.Popen]:
         endpoint = f"127.0.0.1:{free_port()}"
-        return [subprocess.Popen(_torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", node / "vocab", node),
-                                 cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for i, node in enumerate(nodes)]
+        return [
+            subprocess.Popen(
+                _torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", node / "vocab", node),
+                cwd=ROOT,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i, node in enumerate(nodes)
+        ]
 
     jobs = start()
     _wait_for_checkpoint(nodes[0] / "ckpt", 8, jobs)
@@ -153,9 +181,17 @@ def test_nodes_with_other_params_or_dvc_beyond_node_0_are_refused_at_start_up(tm
     write_params(nodes[0], **{"train.nnodes": 2})
     write_params(nodes[1], **{"train.nnodes": 2, "train.warmup": 50})
     endpoint = f"127.0.0.1:{free_port()}"
-    jobs = [subprocess.Popen(_torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", ddp_vocab, node), cwd=ROOT,
-                             env=_env(DVC_STAGE="train"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i, node in enumerate(nodes)]
+    jobs = [
+        subprocess.Popen(
+            _torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", ddp_vocab, node),
+            cwd=ROOT,
+            env=_env(DVC_STAGE="train"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, node in enumerate(nodes)
+    ]
     outputs = [j.communicate(timeout=240)[0] for j in jobs]
     assert [j.returncode for j in jobs] != [0, 0]
     for output in outputs:
@@ -271,7 +307,9 @@ V = 20
 
 
 def _tiny(**kw) -> torch.nn.Module:
-    return make_model(V, V, N=1, d_model=16, d_ff=32, h=2, norm="pre", tie_embeddings=True, pad=PAD, **kw)
+    return make_model(
+        src_vocab=V, tgt_vocab=V, N=1, d_model=16, d_ff=32, h=2, norm="pre", tie_embeddings=True, pad=PAD, **kw
+    )
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,6 +322,7 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 # Defect 4: the loss syncs with the host on every GPU micro-batch.
 
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("zero_pad", [False, True])
 def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected_positions(smoothing, zero_pad):
@@ -292,7 +331,9 @@ def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected
     _, _, tgt_out = _batch()
     hidden = torch.randn(*tgt_out.shape, 16)
     selected = token_loss(model, hidden, tgt_out, PAD, smoothing, zero_pad)  # the CPU path
-    every = smoothed_cross_entropy(model.generator(hidden).float().flatten(0, 1), tgt_out.flatten(), PAD, smoothing, zero_pad)
+    every = smoothed_cross_entropy(
+        model.generator(hidden).float().flatten(0, 1), tgt_out.flatten(), PAD, smoothing, zero_pad
+    )
     assert torch.allclose(selected, every, rtol=1e-6, atol=0)
     assert selected.item() > 0
 
@@ -304,7 +345,9 @@ def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing
     _, _, tgt_out = _batch()
     hidden = torch.randn(*tgt_out.shape, 16)
     keep = tgt_out != PAD
-    before = F.cross_entropy(model.generator(hidden[keep]).float(), tgt_out[keep], reduction="sum", label_smoothing=smoothing)
+    before = F.cross_entropy(
+        model.generator(hidden[keep]).float(), tgt_out[keep], reduction="sum", label_smoothing=smoothing
+    )
     assert torch.equal(token_loss(model, hidden, tgt_out, PAD, smoothing), before)
 
 
@@ -330,6 +373,7 @@ def test_gpu_loss_runs_without_a_host_sync_and_matches_the_cpu():
 
 # Defect 9: the Annotated Transformer's attention dropout, feed-forward dropout and pad-free smoothing.
 
+
 def _train_step(model: torch.nn.Module, seed: int, smoothing_zeroes_pad: bool = False) -> tuple[torch.Tensor, list]:
     src, tgt_in, tgt_out = _batch()
     torch.manual_seed(seed)
@@ -348,8 +392,11 @@ def test_new_dropouts_at_zero_train_exactly_as_the_model_without_them(monkeypatc
     hidden_new, grads_new = _train_step(new, seed=7)
     # The forward passes as they were before these params existed: no dropout in either place.
     monkeypatch.setattr(FeedForward, "forward", lambda self, x: self.w_2(torch.relu(self.w_1(x))))
-    monkeypatch.setattr(MultiHeadAttention, "_attend",
-                        lambda self, q, k, v, mask, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
+    monkeypatch.setattr(
+        MultiHeadAttention,
+        "_attend",
+        lambda self, q, k, v, mask, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal),
+    )
     hidden_old, grads_old = _train_step(old, seed=7)
     assert torch.equal(hidden_new, hidden_old)
     assert all(torch.equal(a, b) for a, b in zip(grads_new, grads_old))
@@ -396,6 +443,7 @@ def test_only_the_annotated_transformer_preset_uses_its_dropouts_and_pad_free_sm
 
 # Defect 6: the WMT14 vocabulary comes from a sample of its lines, drawn unseeded.
 
+
 def _sampled_corpus(n: int) -> list[str]:
     rng = random.Random(0)
     words = [f"{a}{b}{c}" for a in "bdgkmpst" for b in "aeiou" for c in "lnrx"]
@@ -405,9 +453,11 @@ def _sampled_corpus(n: int) -> list[str]:
 def _build_in_a_process_of_its_own(corpus: Path, out: Path, seed: int) -> bytes:
     # sentencepiece's own sampler drew the same lines within a process and others in the next
     # one: only separate processes show whether a build repeats.
-    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom transformer.vocab import BpeVocab\n"
-              f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
-              f"open({str(out)!r}, 'wb').write(BpeVocab.train(lines, 150, seed={seed}, sample=300).proto)\n")
+    script = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom transformer.vocab import BpeVocab\n"
+        f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
+        f"open({str(out)!r}, 'wb').write(BpeVocab.train(lines, 150, seed={seed}, sample=300).proto)\n"
+    )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     return out.read_bytes()
 
@@ -419,18 +469,26 @@ def test_bpe_vocabulary_from_a_sampled_corpus_is_byte_identical_for_one_seed(tmp
     first, second = (_build_in_a_process_of_its_own(corpus, tmp_path / name, seed=5) for name in ("a", "b"))
     assert first == second
     other = BpeVocab.train(_sampled_corpus(3000), 150, seed=6, sample=300)
-    assert [other.sp.id_to_piece(i) for i in range(len(other))] != [BpeVocab(first).sp.id_to_piece(i) for i in range(len(other))]
+    assert [other.sp.id_to_piece(i) for i in range(len(other))] != [
+        BpeVocab(first).sp.id_to_piece(i) for i in range(len(other))
+    ]
 
 
 # Defect 7: IWSLT14 split as fairseq's prepare-iwslt14.sh splits it.
+
 
 def _ted_train(lang: str, talks: int, per_talk: int) -> tuple[str, list[str]]:
     """train.tags as the IWSLT archive lays it out, and the lines fairseq keeps from it."""
     raw, kept = [], []
     for t in range(talks):
-        raw += [f"<url>http://www.ted.com/talks/{t}.html</url>", f"<keywords>talks, {lang}</keywords>",
-                f"<speaker>Speaker {t}</speaker>", f"<talkid>{t}</talkid>", f"<title>Title {t} {lang}</title>",
-                f"<description>About {t} {lang}</description>"]
+        raw += [
+            f"<url>http://www.ted.com/talks/{t}.html</url>",
+            f"<keywords>talks, {lang}</keywords>",
+            f"<speaker>Speaker {t}</speaker>",
+            f"<talkid>{t}</talkid>",
+            f"<title>Title {t} {lang}</title>",
+            f"<description>About {t} {lang}</description>",
+        ]
         kept += [f"<speaker>Speaker {t}</speaker>", f"Title {t} {lang}", f"About {t} {lang}"]
         body = [f"talk {t} line {i} {lang}" for i in range(per_talk)]
         raw, kept = raw + body, kept + body
@@ -440,9 +498,11 @@ def _ted_train(lang: str, talks: int, per_talk: int) -> tuple[str, list[str]]:
 def _ted_xml(name: str, lang: str, n: int) -> tuple[str, list[str]]:
     segs = [f"{name} {lang} {i} &amp; more" for i in range(n)]
     body = "".join(f'<seg id="{i}"> {s} </seg>\n' for i, s in enumerate(segs, 1))
-    text = f'<?xml version="1.0" encoding="UTF-8"?>\n<mteval>\n<refset setid="iwslt2014-{name}" srclang="german">\n' \
-           f'<doc docid="1" genre="lectures">\n<url>http://www.ted.com/talks/x.html</url>\n<talkid>1</talkid>\n{body}</doc>\n' \
-           f'</refset>\n</mteval>\n'
+    text = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<mteval>\n<refset setid="iwslt2014-{name}" srclang="german">\n'
+        f'<doc docid="1" genre="lectures">\n<url>http://www.ted.com/talks/x.html</url>\n<talkid>1</talkid>\n{body}</doc>\n'
+        f"</refset>\n</mteval>\n"
+    )
     return text, [s.replace("&amp;", "&") for s in segs]
 
 
@@ -467,6 +527,7 @@ def test_iwslt14_splits_as_fairseq_test_is_five_sets_val_every_23rd_training_lin
 
 # Defect 8: https, decompression caps, bounded model configs, safe path components.
 
+
 def _registry(tmp_path: Path, sources: dict[str, list[dict]], corpus: str = "c") -> Path:
     path = tmp_path / "corpora.yaml"
     path.write_text(yaml.safe_dump({corpus: {"train": sources}}), encoding="utf-8")
@@ -475,7 +536,9 @@ def _registry(tmp_path: Path, sources: dict[str, list[dict]], corpus: str = "c")
 
 def test_every_shipped_corpus_url_is_https():
     registry = yaml.safe_load((ROOT / "transformer/corpora.yaml").read_text())
-    urls = [s["url"] for entry in registry.values() for langs in entry.values() for srcs in langs.values() for s in srcs]
+    urls = [
+        s["url"] for entry in registry.values() for langs in entry.values() for srcs in langs.values() for s in srcs
+    ]
     assert urls and all(url.startswith("https://") for url in urls)
     for corpus in registry:
         load_registry(ROOT / "transformer/corpora.yaml", corpus)  # passes its own checks
@@ -490,11 +553,14 @@ def test_plain_http_without_a_pinned_checksum_is_refused(tmp_path):
     load_registry(_registry(tmp_path, pinned), "c")  # the checksum vouches for the bytes
 
 
-@pytest.mark.parametrize("sources, message", [
-    ({"../de": [{"url": "https://example.org/a.gz", "sha256": None}]}, "become file names"),
-    ({"de": [{"url": "https://example.org/..", "sha256": None}]}, "not a safe file name"),
-    ({"de": [{"url": "https://example.org/a.gz", "sha256": None, "keep_every": 1}]}, "integer >= 2"),
-])
+@pytest.mark.parametrize(
+    "sources, message",
+    [
+        ({"../de": [{"url": "https://example.org/a.gz", "sha256": None}]}, "become file names"),
+        ({"de": [{"url": "https://example.org/..", "sha256": None}]}, "not a safe file name"),
+        ({"de": [{"url": "https://example.org/a.gz", "sha256": None, "keep_every": 1}]}, "integer >= 2"),
+    ],
+)
 def test_registry_names_that_would_escape_the_output_directory_are_refused(tmp_path, sources, message):
     with pytest.raises(DataError, match=message):
         load_registry(_registry(tmp_path, sources), "c")
@@ -532,10 +598,16 @@ def test_archive_member_beyond_the_cap_is_refused_before_it_is_read(tmp_path, mo
     assert "big.tgz" in str(e.value) and "corpus/train.txt" in str(e.value)
 
 
-@pytest.mark.parametrize("key, value", [
-    ("data.corpus", "../elsewhere"), ("data.src_lang", "d/e"), ("data.tgt_lang", ".."), ("data.valid", "-val"),
-    ("decode.testsets", ["val", "../../etc/x"]),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("data.corpus", "../elsewhere"),
+        ("data.src_lang", "d/e"),
+        ("data.tgt_lang", ".."),
+        ("data.valid", "-val"),
+        ("decode.testsets", ["val", "../../etc/x"]),
+    ],
+)
 def test_params_that_become_path_components_are_checked_by_key(key, value):
     raw = _preset("params")
     section, name = key.split(".")
@@ -545,27 +617,47 @@ def test_params_that_become_path_components_are_checked_by_key(key, value):
 
 
 def _model_file(tmp_path: Path, **config_changes) -> Path:
-    config = {"src_vocab": 12, "tgt_vocab": 12, "N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.1,
-              "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    config = {
+        "src_vocab": 12,
+        "tgt_vocab": 12,
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.1,
+        "norm": "pre",
+        "tie_embeddings": False,
+        "pad": PAD,
+    }
     vocab = WordVocab(["<s>", "</s>", "<blank>", "<unk>"] + [f"w{i}" for i in range(8)])
     path = tmp_path / "model.pt"
-    checkpoints.save(path, {"model": make_model(**config).state_dict(), "model_config": config | config_changes,
-                            "params": params_from_dict(_preset("params")).to_dict(),
-                            "vocab": {"src": vocab.state(), "tgt": vocab.state()}, "step": 1})
+    checkpoints.save(
+        path,
+        {
+            "model": make_model(**config).state_dict(),
+            "model_config": config | config_changes,
+            "params": params_from_dict(_preset("params")).to_dict(),
+            "vocab": {"src": vocab.state(), "tgt": vocab.state()},
+            "step": 1,
+        },
+    )
     return path
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"N": 10**7}, "out of range"),
-    ({"decoder_N": 10**7}, "out of range"),
-    ({"decoder_N": -1}, "out of range"),
-    ({"decoder_N": 2}, "do not fit"),  # the file holds one decoder layer
-    ({"d_model": 2**16}, "do not fit"),  # built for real: 51 GB of attention weights alone
-    ({"d_model": 2**40}, "do not fit"),  # too large even for shapes
-    ({"d_ff": "32"}, "'d_ff' = '32' is not int"),
-    ({"norm": "both"}, "out of range"),
-    ({"hidden": 3}, "unknown keys"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"N": 10**7}, "out of range"),
+        ({"decoder_N": 10**7}, "out of range"),
+        ({"decoder_N": -1}, "out of range"),
+        ({"decoder_N": 2}, "do not fit"),  # the file holds one decoder layer
+        ({"d_model": 2**16}, "do not fit"),  # built for real: 51 GB of attention weights alone
+        ({"d_model": 2**40}, "do not fit"),  # too large even for shapes
+        ({"d_ff": "32"}, "'d_ff' = '32' is not int"),
+        ({"norm": "both"}, "out of range"),
+        ({"hidden": 3}, "unknown keys"),
+    ],
+)
 def test_model_file_config_is_bounded_before_a_model_is_built(tmp_path, changes, message):
     path = _model_file(tmp_path, **changes)
     with pytest.raises(DataError, match=message) as e:

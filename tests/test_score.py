@@ -83,21 +83,25 @@ def test_the_score_command_prints_the_stage_scores_as_json(tmp_path):
     assert printed == score_lines(hyps, refs, "en", ("bleu", "bleu_tok_lc"))
     assert printed["bleu_tok_lc"] > printed["bleu"]
     assert set(json.loads(CliRunner().invoke(main, args).stdout)) == {
-        f"{m}{suffix}" for m in ("bleu", "bleu_tok_lc", "chrf", "ter") for suffix in ("", "_signature")}
+        f"{m}{suffix}" for m in ("bleu", "bleu_tok_lc", "chrf", "ter") for suffix in ("", "_signature")
+    }
 
 
 def test_the_score_command_refuses_files_of_different_lengths(tmp_path):
     (tmp_path / "hyp.txt").write_text("a\nb\nc\n", encoding="utf-8")
     (tmp_path / "ref.en").write_text("a\nb\n", encoding="utf-8")
-    result = CliRunner().invoke(main, ["score", "--hyps", str(tmp_path / "hyp.txt"), "--refs", str(tmp_path / "ref.en"),
-                                       "--lang", "en"])
+    result = CliRunner().invoke(
+        main, ["score", "--hyps", str(tmp_path / "hyp.txt"), "--refs", str(tmp_path / "ref.en"), "--lang", "en"]
+    )
     assert result.exit_code == 1
     assert f"error: {tmp_path / 'hyp.txt'}: has 3 lines" in result.output
 
 
 def _scores() -> dict:
-    return {"val": score_lines(["a b c d"], ["a b c d"], "en", ("bleu", "chrf")),
-            "test2016": score_lines(["a b c d e"], ["a b c d"], "en", ("bleu", "chrf"))}
+    return {
+        "val": score_lines(["a b c d"], ["a b c d"], "en", ("bleu", "chrf")),
+        "test2016": score_lines(["a b c d e"], ["a b c d"], "en", ("bleu", "chrf")),
+    }
 
 
 def _table_rows(report: str) -> list[str]:

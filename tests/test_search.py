@@ -109,8 +109,10 @@ def test_beam_one_is_greedy():
 
 
 def test_hypotheses_are_returned_without_bos_and_eos():
-    for out in (greedy(ScriptedDecoder(SHORT_OR_LONG), _src(1), _max_len(10), BOS, EOS),
-                beam_search(ScriptedDecoder(SHORT_OR_LONG), _src(1), 3, 0.0, _max_len(10), BOS, EOS)):
+    for out in (
+        greedy(ScriptedDecoder(SHORT_OR_LONG), _src(1), _max_len(10), BOS, EOS),
+        beam_search(ScriptedDecoder(SHORT_OR_LONG), _src(1), 3, 0.0, _max_len(10), BOS, EOS),
+    ):
         assert out == [[A]]
 
 
@@ -160,7 +162,18 @@ def test_eos_at_the_first_step_gives_an_empty_hypothesis():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(14, 14, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=False, pad=PAD).eval()
+    return make_model(
+        src_vocab=14,
+        tgt_vocab=14,
+        N=1,
+        d_model=16,
+        d_ff=32,
+        h=2,
+        dropout=0.0,
+        norm="pre",
+        tie_embeddings=False,
+        pad=PAD,
+    ).eval()
 
 
 def _sentences() -> list[torch.Tensor]:
@@ -174,7 +187,7 @@ def test_batched_search_equals_one_sentence_at_a_time(beam):
     src = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True, padding_value=PAD)
     max_len = torch.tensor([len(s) + 4 for s in sentences])
     batched = beam_search(model, src, beam, 0.6, max_len, BOS, EOS)
-    alone = [beam_search(model, s[None], beam, 0.6, max_len[i:i + 1], BOS, EOS)[0] for i, s in enumerate(sentences)]
+    alone = [beam_search(model, s[None], beam, 0.6, max_len[i : i + 1], BOS, EOS)[0] for i, s in enumerate(sentences)]
     assert batched == alone
     assert len({tuple(h) for h in batched}) > 1  # the sentences get different translations
     assert all(len(h) <= m for h, m in zip(batched, max_len.tolist()))
@@ -187,7 +200,9 @@ B_FIRST = {(): {A: 0.1, B: 0.9}, (A,): {EOS: 1.0}, (B,): {C: 0.9, EOS: 0.1}, (B,
 def test_an_ensemble_of_one_model_searches_as_the_model():
     for beam in (1, 2):
         alone = beam_search(ScriptedDecoder(GREEDY_TRAP), _src(1), beam, 0.0, _max_len(10), BOS, EOS)
-        assert beam_search(Ensemble([ScriptedDecoder(GREEDY_TRAP)]), _src(1), beam, 0.0, _max_len(10), BOS, EOS) == alone
+        assert (
+            beam_search(Ensemble([ScriptedDecoder(GREEDY_TRAP)]), _src(1), beam, 0.0, _max_len(10), BOS, EOS) == alone
+        )
 
 
 def test_an_ensemble_averages_its_members_probabilities():
@@ -205,7 +220,9 @@ def test_an_ensemble_of_identical_models_translates_as_one():
     model, sentences = _random_model(), _sentences()
     src = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True, padding_value=PAD)
     max_len = torch.tensor([len(s) + 4 for s in sentences])
-    assert beam_search(Ensemble([model, model]), src, 3, 0.6, max_len, BOS, EOS) == beam_search(model, src, 3, 0.6, max_len, BOS, EOS)
+    assert beam_search(Ensemble([model, model]), src, 3, 0.6, max_len, BOS, EOS) == beam_search(
+        model, src, 3, 0.6, max_len, BOS, EOS
+    )
 
 
 def test_an_ensemble_needs_a_model():

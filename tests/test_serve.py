@@ -27,14 +27,32 @@ SENTENCES = ["ein Hund läuft.", "eine Frau liest ein Buch"]
 def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny untrained model file and the vocab.pt it was built with."""
     src, tgt = WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
-    config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 1, "d_model": 16, "d_ff": 32, "h": 2,
-              "dropout": 0.0, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    config = {
+        "src_vocab": len(src),
+        "tgt_vocab": len(tgt),
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.0,
+        "norm": "pre",
+        "tie_embeddings": False,
+        "pad": PAD,
+    }
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("served")
     save_vocabs(directory / "vocab", src, tgt)
-    checkpoints.save(directory / "model.pt", {"model": make_model(**config).state_dict(), "model_config": config,
-                                              "params": load_params(ROOT / "params.yaml").to_dict() | {"decode": load_params(ROOT / "params.yaml").to_dict()["decode"] | {"beam": 2}},
-                                              "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+    checkpoints.save(
+        directory / "model.pt",
+        {
+            "model": make_model(**config).state_dict(),
+            "model_config": config,
+            "params": load_params(ROOT / "params.yaml").to_dict()
+            | {"decode": load_params(ROOT / "params.yaml").to_dict()["decode"] | {"beam": 2}},
+            "vocab": {"src": src.state(), "tgt": tgt.state()},
+            "step": 1,
+        },
+    )
     return directory / "model.pt", directory / "vocab" / "vocab.pt"
 
 
@@ -71,8 +89,9 @@ def test_pyfunc_model_refuses_a_vocabulary_other_than_the_models(model_and_vocab
 
 
 def _post(port: int, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -81,22 +100,50 @@ def _post(port: int, body: bytes) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_served_model_answers_with_the_clis_translations_and_400_for_bad_requests(pyfunc_dir, model_and_vocab, tmp_path):
+def test_served_model_answers_with_the_clis_translations_and_400_for_bad_requests(
+    pyfunc_dir, model_and_vocab, tmp_path
+):
     port = free_port()
     env = tool_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", str(pyfunc_dir), "--env-manager", "local",
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            str(pyfunc_dir),
+            "--env-manager",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         wait_for_http(f"http://127.0.0.1:{port}/ping", server, lambda: server.stdout.read())
         status, body = _post(port, json.dumps({"inputs": SENTENCES}).encode())
-        cli = run([str(BIN / "transformer"), "translate", "--model", str(model_and_vocab[0])], tmp_path,
-                  input_text="\n".join(SENTENCES) + "\n")
+        cli = run(
+            [str(BIN / "transformer"), "translate", "--model", str(model_and_vocab[0])],
+            tmp_path,
+            input_text="\n".join(SENTENCES) + "\n",
+        )
         assert status == 200, body
         assert body["predictions"] == cli.stdout.splitlines()
-        for bad, why in ((json.dumps({"inputs": []}), "no sentences"), (json.dumps({"inputs": [3, 4]}), "Expected type str"),
-                         (json.dumps({"inputs": [" ".join(["Hund"] * 500)]}), "more than the model was trained on"),
-                         (json.dumps({"inputs": ["Hund"] * 1001}), "more than 1000"), ("{not json", "")):
+        for bad, why in (
+            (json.dumps({"inputs": []}), "no sentences"),
+            (json.dumps({"inputs": [3, 4]}), "Expected type str"),
+            (json.dumps({"inputs": [" ".join(["Hund"] * 500)]}), "more than the model was trained on"),
+            (json.dumps({"inputs": ["Hund"] * 1001}), "more than 1000"),
+            ("{not json", ""),
+        ):
             status, body = _post(port, bad.encode())
             assert 400 <= status < 500, (bad[:40], status, body)
             assert why in body.get("message", ""), body

@@ -13,16 +13,44 @@ from transformer.tokenize import JOINER, Tokenizer, detokenize, tokenize_corpus
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/corpora/multi30k"
 
-EN_SUBJECTS = ["A man", "Two girls", "The dog's owner", "A well-known artist", "Three 10-year-old boys",
-               "An old woman (in a red coat)", "Someone"]
-EN_PREDICATES = ["is sitting on a bench.", "can't find the keys!", "says \"hello\" to a friend.",
-                 "doesn't like the rain, does she?", "paid $3.50 for 2 coffees.", "runs 1,500 meters in 4:05 min.",
-                 "waits at gate B-12; it's late...", "reads 'The Times' -- again?"]
-DE_SUBJECTS = ["Ein Mann", "Zwei Mädchen", "Der Hund des Nachbarn", "Eine 30-jährige Frau", "Ärzte und Ärztinnen",
-               "Ein Kind (mit Mütze)", "Jemand"]
-DE_PREDICATES = ["sitzt auf einer Bank.", "sagt: „Guten Morgen!“", "kauft 3 Äpfel für 2,50 €.",
-                 "läuft am 3. Oktober 10 km.", "spielt Fußball, oder?", "wartet – wie immer – am Bahnhof...",
-                 "liest „Die Zeit“ um 8:15 Uhr.", "geht's gut?"]
+EN_SUBJECTS = [
+    "A man",
+    "Two girls",
+    "The dog's owner",
+    "A well-known artist",
+    "Three 10-year-old boys",
+    "An old woman (in a red coat)",
+    "Someone",
+]
+EN_PREDICATES = [
+    "is sitting on a bench.",
+    "can't find the keys!",
+    'says "hello" to a friend.',
+    "doesn't like the rain, does she?",
+    "paid $3.50 for 2 coffees.",
+    "runs 1,500 meters in 4:05 min.",
+    "waits at gate B-12; it's late...",
+    "reads 'The Times' -- again?",
+]
+DE_SUBJECTS = [
+    "Ein Mann",
+    "Zwei Mädchen",
+    "Der Hund des Nachbarn",
+    "Eine 30-jährige Frau",
+    "Ärzte und Ärztinnen",
+    "Ein Kind (mit Mütze)",
+    "Jemand",
+]
+DE_PREDICATES = [
+    "sitzt auf einer Bank.",
+    "sagt: „Guten Morgen!“",
+    "kauft 3 Äpfel für 2,50 €.",
+    "läuft am 3. Oktober 10 km.",
+    "spielt Fußball, oder?",
+    "wartet – wie immer – am Bahnhof...",
+    "liest „Die Zeit“ um 8:15 Uhr.",
+    "geht's gut?",
+]
 
 
 def _sentences(subjects: list[str], predicates: list[str]) -> list[str]:
@@ -36,8 +64,9 @@ def _round_trip_rate(lang: str, lines: list[str]) -> tuple[float, list[str]]:
     return 1 - len(failures) / len(lines), failures
 
 
-@pytest.mark.parametrize("lang, lines", [("en", _sentences(EN_SUBJECTS, EN_PREDICATES)),
-                                         ("de", _sentences(DE_SUBJECTS, DE_PREDICATES))])
+@pytest.mark.parametrize(
+    "lang, lines", [("en", _sentences(EN_SUBJECTS, EN_PREDICATES)), ("de", _sentences(DE_SUBJECTS, DE_PREDICATES))]
+)
 def test_detokenize_inverts_tokenize(lang, lines):
     rate, failures = _round_trip_rate(lang, lines)
     assert rate >= 0.995, failures[:5]

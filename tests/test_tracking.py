@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_params
 
 from transformer.errors import TrackingError
@@ -42,7 +41,7 @@ def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, s
     tracker = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
     rows = [{"step": s, "loss": 1.0 / s, "lr": s * 1e-4} for s in range(1, 61)]
     for i in range(0, 60, 20):  # as train.py sends them: a tick's rows at once
-        tracker.log_rows(rows[i:i + 20])
+        tracker.log_rows(rows[i : i + 20])
     tracker.end()
     run = _client(store).get_run(tracker.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "train"
@@ -58,18 +57,25 @@ def test_a_metric_the_store_refuses_fails_the_run_when_it_ends(tracking, store):
     assert _client(store).get_run(tracker.run_id).info.status == "FAILED"
 
 
-def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_and_corpus_files(tracking, store, tmp_path,
-                                                                                                monkeypatch):
+def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_and_corpus_files(
+    tracking, store, tmp_path, monkeypatch
+):
     monkeypatch.setenv("DVC_EXP_NAME", "bushy-lynx")
     training = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
     training.end()
     test, train = tmp_path / "test2016.en", tmp_path / "train.en"
     test.write_text("a b.\n")
     train.write_text("c d.\n")
-    run_id = tracking.log_evaluation(training.run_id, EXPERIMENT, "evaluate beam=3 alpha=1.0", {"decode.beam": 3},
-                                     {"test2016_bleu": 12.5}, 40,
-                                     {"toy/test2016.en": (test, "evaluation"), "toy/train.en": (train, "training")},
-                                     {"translations": [test]})
+    run_id = tracking.log_evaluation(
+        training.run_id,
+        EXPERIMENT,
+        "evaluate beam=3 alpha=1.0",
+        {"decode.beam": 3},
+        {"test2016_bleu": 12.5},
+        40,
+        {"toy/test2016.en": (test, "evaluation"), "toy/train.en": (train, "training")},
+        {"translations": [test]},
+    )
     run = _client(store).get_run(run_id)
     assert run.info.run_name == "evaluate beam=3 alpha=1.0 · bushy-lynx"
     assert run.info.experiment_id == _client(store).get_run(training.run_id).info.experiment_id
@@ -79,7 +85,10 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
     inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
     digest = hashlib.sha256(test.read_bytes()).hexdigest()
     assert inputs["toy/test2016.en"].dataset.digest == digest[:16]
-    assert {t.key: t.value for t in inputs["toy/test2016.en"].tags} == {"mlflow.data.context": "evaluation", "sha256": digest}
+    assert {t.key: t.value for t in inputs["toy/test2016.en"].tags} == {
+        "mlflow.data.context": "evaluation",
+        "sha256": digest,
+    }
     assert {t.key: t.value for t in inputs["toy/train.en"].tags}["mlflow.data.context"] == "training"
     assert [a.path for a in _client(store).list_artifacts(run_id, "translations")] == ["translations/test2016.en"]
     assert _client(store).get_run(training.run_id).data.metrics == {}  # the training's run is left as it was

@@ -13,16 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    BIN,
+    ROOT,
+    free_port,
+    run,
+    same_values,
+    tiny_params,
+    tool_env,
+    train_cmd,
+    train_outputs,
+    write_params,
+)
 
-from conftest import BIN, ROOT, free_port, run, same_values, tiny_params, tool_env, train_cmd, train_outputs, write_params
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.errors import DataError
 from transformer.schedule import rate
-
-
-
-
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -37,9 +44,9 @@ def _without_key_biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     for name, value in state.items():
         if name.endswith("qkv.bias"):  # [q | k | v]
             d = value.numel() // 3
-            out[name] = torch.cat([value[:d], value[2 * d:]])
+            out[name] = torch.cat([value[:d], value[2 * d :]])
         elif name.endswith("kv.bias"):  # [k | v]
-            out[name] = value[value.numel() // 2:]
+            out[name] = value[value.numel() // 2 :]
     return out
 
 
@@ -51,6 +58,7 @@ def _assert_same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
     from conftest import toy_pairs
+
     from transformer.tokenize import tokenize_corpus
     from transformer.train import train
     from transformer.translate import Translator
@@ -66,9 +74,22 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
     build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val", seed=1)
     # 26 epochs (754 updates): at 20 (580) one or two of the 30 copies still confused a repeated word
     # on an AVX-512 host in fp32, and the kernels of each host class round the run otherwise.
-    params = params_from_dict(tiny_params(**{"vocab.kind": "word", "model.tie_embeddings": False, "model.N": 2, "model.d_model": 64,
-                                             "model.d_ff": 128, "train.epochs": 26, "train.max_tokens": 200, "train.factor": 1.0,
-                                             "train.label_smoothing": 0.0, "train.cooldown": 0.5}))
+    params = params_from_dict(
+        tiny_params(
+            **{
+                "vocab.kind": "word",
+                "model.tie_embeddings": False,
+                "model.N": 2,
+                "model.d_model": 64,
+                "model.d_ff": 128,
+                "train.epochs": 26,
+                "train.max_tokens": 200,
+                "train.factor": 1.0,
+                "train.label_smoothing": 0.0,
+                "train.cooldown": 0.5,
+            }
+        )
+    )
     summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["steps"] < 800  # a few hundred updates: seconds on an idle CPU
     assert summary["val_loss"] < 0.1  # nats per token
@@ -95,8 +116,17 @@ def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_d
     from transformer.train import train
 
     def trained(name: str, rdrop: float, shared_encoder: bool = False, share: float = 1.0) -> dict:
-        params = params_from_dict(tiny_params(**{"train.epochs": 3, "train.rdrop": rdrop, "model.dropout": 0.1,
-                                                 "train.rdrop_shared_encoder": shared_encoder, "train.rdrop_share": share}))
+        params = params_from_dict(
+            tiny_params(
+                **{
+                    "train.epochs": 3,
+                    "train.rdrop": rdrop,
+                    "model.dropout": 0.1,
+                    "train.rdrop_shared_encoder": shared_encoder,
+                    "train.rdrop_share": share,
+                }
+            )
+        )
         summary = train(params, vocab_dir, train_outputs(tmp_path / name))
         assert summary["val_loss"] < 4.0  # nats per token: it learns (uniform over the toy vocabulary: ~4.8)
         return _final_weights(tmp_path / name)
@@ -118,8 +148,17 @@ def test_partial_rdrop_killed_mid_epoch_resumes_to_bit_identical_weights(tmp_pat
     """The sentences passed twice are drawn from torch's generator, which a checkpoint keeps."""
     import transformer.train as train_module
 
-    params = params_from_dict(tiny_params(**{"train.epochs": 2, "train.rdrop": 5.0, "train.rdrop_share": 0.5,
-                                             "model.dropout": 0.1, "train.save_every": 5}))
+    params = params_from_dict(
+        tiny_params(
+            **{
+                "train.epochs": 2,
+                "train.rdrop": 5.0,
+                "train.rdrop_share": 0.5,
+                "model.dropout": 0.1,
+                "train.save_every": 5,
+            }
+        )
+    )
     train_module.train(params, vocab_dir, train_outputs(tmp_path / "whole"))
     update = train_module._Loop._update
 
@@ -150,8 +189,9 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
 
     batch_loss = train_module.batch_loss
     monkeypatch.setattr(train_module, "batch_loss", recording)
-    params = params_from_dict(tiny_params(**{"train.epochs": 4, "train.rdrop": 5.0, "train.rdrop_from": 0.6,
-                                             "model.dropout": 0.1}))
+    params = params_from_dict(
+        tiny_params(**{"train.epochs": 4, "train.rdrop": 5.0, "train.rdrop_from": 0.6, "model.dropout": 0.1})
+    )
     summary = train_module.train(params, vocab_dir, train_outputs(tmp_path / "late"))
     updates = summary["steps"]
     assert len(alphas) == updates > 10  # one micro-batch an update
@@ -159,14 +199,14 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
     assert alphas == [0.0] * first + [5.0] * (updates - first)
 
 
-
 def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
     from transformer.model import make_model
     from transformer.train import make_optimizer
 
     torch.manual_seed(0)
-    model = make_model(src_vocab=30, tgt_vocab=30, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre",
-                       tie_embeddings=True, pad=2)
+    model = make_model(
+        src_vocab=30, tgt_vocab=30, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=2
+    )
     assert type(make_optimizer(model, 0.0, torch.device("cpu"))) is torch.optim.Adam  # the paper's, as before
     optimizer = make_optimizer(model, 0.1, torch.device("cpu"))
     before = {name: w.detach().clone() for name, w in model.named_parameters()}
@@ -204,8 +244,9 @@ def test_kept_memory_serves_the_next_large_block_without_page_faults():
     # In a fresh process: the settings are the process's, and a test worker's history changes what
     # they do (after a failed allocation glibc moves the main thread to an arena of at most 64 MiB,
     # which maps every larger block afresh whatever mallopt says).
-    done = subprocess.run([sys.executable, "-c", _FAULTS_OF_FRESH_BLOCKS], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _FAULTS_OF_FRESH_BLOCKS], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     faults = json.loads(done.stdout)
     assert faults["False"] > 10_000  # glibc's defaults: mapped anew, every 4 KiB page faults in again
@@ -244,15 +285,20 @@ def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, voca
     assert all(torch.equal(kept[k], default[k]) for k in kept)
 
 
-@pytest.mark.parametrize("capability, cpuinfo_bf16, bf16", [
-    ("AVX512", True, True),       # AVX-512 cores with bf16: torch names them AVX512, cpuinfo tells
-    ("AVX512", False, False),     # AVX-512 without bf16
-    ("AVX512_VNNI", True, True),  # any AVX-512 level torch may name
-    ("AVX2", True, False),        # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2) would emulate bf16
-    ("AVX2", False, False),
-    ("AMX", False, True),
-])
-def test_auto_precision_picks_bf16_only_where_torch_may_use_bf16_instructions(monkeypatch, capability, cpuinfo_bf16, bf16):
+@pytest.mark.parametrize(
+    "capability, cpuinfo_bf16, bf16",
+    [
+        ("AVX512", True, True),  # AVX-512 cores with bf16: torch names them AVX512, cpuinfo tells
+        ("AVX512", False, False),  # AVX-512 without bf16
+        ("AVX512_VNNI", True, True),  # any AVX-512 level torch may name
+        ("AVX2", True, False),  # torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2) would emulate bf16
+        ("AVX2", False, False),
+        ("AMX", False, True),
+    ],
+)
+def test_auto_precision_picks_bf16_only_where_torch_may_use_bf16_instructions(
+    monkeypatch, capability, cpuinfo_bf16, bf16
+):
     from transformer import train
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -284,6 +330,7 @@ def test_training_cools_down_over_its_last_updates(tmp_path, vocab_dir):
 def uninterrupted(tmp_path_factory):
     """One reference run for the kill tests: (params, vocabulary, output directory)."""
     from conftest import write_toy_corpus
+
     from transformer.tokenize import tokenize_corpus
     from transformer.vocab import build_vocabs
 
@@ -293,16 +340,24 @@ def uninterrupted(tmp_path_factory):
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
     # Both dropouts draw from torch's generator, which a checkpoint must carry for the resumed run to repeat them.
-    params = write_params(tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1, "model.word_dropout": 0.1})
-    run([sys.executable] + train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200)  # hang guard, not a speed test
+    params = write_params(
+        tmp, **{"train.epochs": 20, "train.save_every": 3, "model.dropout": 0.1, "model.word_dropout": 0.1}
+    )
+    run(
+        [sys.executable] + train_cmd(params, tmp / "vocab", tmp / "out"), ROOT, timeout=1200
+    )  # hang guard, not a speed test
     return params, tmp / "vocab", tmp / "out"
 
 
 # Where the kill lands: (the newest checkpoint step to wait for, or 0 for "as soon as the first epoch
 # starts"; then a delay in seconds). With save_every 3 and keep 3: before any checkpoint, just after
 # one, between two (a few updates on, ~11 ms each), and late, after older checkpoints were pruned.
-KILL_POINTS = {"before-any-checkpoint": (0, 0.0), "just-after-a-checkpoint": (6, 0.0),
-               "between-checkpoints": (9, 0.02), "after-pruning": (30, 0.1)}
+KILL_POINTS = {
+    "before-any-checkpoint": (0, 0.0),
+    "just-after-a-checkpoint": (6, 0.0),
+    "between-checkpoints": (9, 0.02),
+    "after-pruning": (30, 0.1),
+}
 
 
 @pytest.mark.parametrize("landing", KILL_POINTS)
@@ -315,8 +370,14 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     after_step, delay = KILL_POINTS[landing]
     interrupted = tmp_path / "interrupted"
     env = tool_env()
-    proc = subprocess.Popen([sys.executable] + train_cmd(params, vocab, interrupted), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable] + train_cmd(params, vocab, interrupted),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     started = threading.Event()
     threading.Thread(target=_watch_for_first_epoch, args=(proc, started), daemon=True).start()
     assert started.wait(120), "training never started"
@@ -327,11 +388,15 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = checkpoints.listed(interrupted / "ckpt")
-    assert not before or before[-1].name < checkpoints.listed(reference / "ckpt")[-1].name, "killed too late to test resuming"
+    assert not before or before[-1].name < checkpoints.listed(reference / "ckpt")[-1].name, (
+        "killed too late to test resuming"
+    )
     kept_time = checkpoints.load(before[-1], checkpoints.RESUME_KEYS)["wall_s"] if before else 0.0
 
     timing = tmp_path / "timing.json"
-    result = run([sys.executable] + train_cmd(params, vocab, interrupted) + ["--timing", str(timing)], ROOT, timeout=1200)
+    result = run(
+        [sys.executable] + train_cmd(params, vocab, interrupted) + ["--timing", str(timing)], ROOT, timeout=1200
+    )
     assert ("resuming from" in result.stderr) == bool(before)
     # The stage's time adds the killed invocation's, up to the checkpoint it resumed from.
     assert json.loads(timing.read_text()).get("resumed_s", 0.0) == round(kept_time, 1)
@@ -341,7 +406,9 @@ def test_killed_training_resumes_to_bit_identical_checkpoints_reports_and_averag
         a, b = checkpoints.load(mine, checkpoints.RESUME_KEYS), checkpoints.load(theirs, checkpoints.RESUME_KEYS)
         assert same_values(a["model"], b["model"]) and same_values(a["optimizer"], b["optimizer"]), mine.name
         assert (a["step"], a["epoch"], a["history"]["epochs"]) == (b["step"], b["epoch"], b["history"]["epochs"])
-    assert (interrupted / "reports/train_epochs.tsv").read_bytes() == (reference / "reports/train_epochs.tsv").read_bytes()
+    assert (interrupted / "reports/train_epochs.tsv").read_bytes() == (
+        reference / "reports/train_epochs.tsv"
+    ).read_bytes()
     averaged = [checkpoints.average_checkpoints(out / "ckpt", 3)["model"] for out in (interrupted, reference)]
     assert same_values(*averaged)
     assert not list((interrupted / "ckpt").glob(".*.tmp"))
@@ -362,6 +429,7 @@ def _watch_for_first_epoch(proc: subprocess.Popen, started) -> None:
 def sampled(tmp_path_factory):
     """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
     from conftest import write_toy_corpus
+
     from transformer.tokenize import tokenize_corpus
     from transformer.vocab import build_vocabs
 
@@ -369,8 +437,16 @@ def sampled(tmp_path_factory):
     raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
     tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
-    params = write_params(tmp, **{"train.epochs": 3, "train.save_every": 4, "model.dropout": 0.1,
-                                   "train.bpe_dropout": 0.1, "train.cooldown": 0.3})
+    params = write_params(
+        tmp,
+        **{
+            "train.epochs": 3,
+            "train.save_every": 4,
+            "model.dropout": 0.1,
+            "train.bpe_dropout": 0.1,
+            "train.cooldown": 0.3,
+        },
+    )
 
     def cmd(out: Path) -> list[str]:
         return [sys.executable] + train_cmd(params, tmp / "vocab", out) + ["--tokenized", str(tmp / "tok")]
@@ -393,12 +469,16 @@ def test_bpe_dropout_resegments_every_epoch_and_cools_down_to_the_last_update(sa
 def test_killed_bpe_dropout_training_resumes_to_bit_identical_weights(tmp_path, sampled):
     """Killed in a later epoch, the rerun must cut that epoch's words as the first run did."""
     cmd, _, reference, _ = sampled
-    first_epoch = int((reference / "reports" / "train_epochs.tsv").read_text().splitlines()[1].split("\t")[1])  # its updates
+    first_epoch = int(
+        (reference / "reports" / "train_epochs.tsv").read_text().splitlines()[1].split("\t")[1]
+    )  # its updates
     interrupted = tmp_path / "interrupted"
     env = tool_env()
     proc = subprocess.Popen(cmd(interrupted), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(int(p.stem.split("_")[1]) > first_epoch for p in checkpoints.listed(interrupted / "ckpt")):
+    while time.time() < deadline and not any(
+        int(p.stem.split("_")[1]) > first_epoch for p in checkpoints.listed(interrupted / "ckpt")
+    ):
         time.sleep(0.02)
     time.sleep(0.05)  # killed inside the second epoch
     proc.send_signal(signal.SIGKILL)
@@ -424,7 +504,10 @@ def test_bpe_dropout_without_the_tokenized_text_stops_before_training(tmp_path, 
 def test_changed_params_start_afresh_instead_of_resuming(tmp_path, vocab_dir):
     out = tmp_path / "out"
     run([sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 1}), vocab_dir, out), ROOT)
-    result = run([sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out), ROOT)
+    result = run(
+        [sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 1, "train.warmup": 50}), vocab_dir, out),
+        ROOT,
+    )
     assert "starting afresh" in result.stderr and "resuming" not in result.stderr
     assert checkpoints.load(checkpoints.listed(out / "ckpt")[-1])["params"]["train"]["warmup"] == 50
 
@@ -443,14 +526,18 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
     src, tgt = load_vocabs(vocab_dir)
     arrays = {}
     for side, vocab, lang in (("src", src, "de"), ("tgt", tgt, "en")):
-        arrays[side], arrays[f"{side}_offsets"] = encode_corpus(vocab, read_lines(tmp_path / "tok" / f"train.{lang}")[:-1])
+        arrays[side], arrays[f"{side}_offsets"] = encode_corpus(
+            vocab, read_lines(tmp_path / "tok" / f"train.{lang}")[:-1]
+        )
     torch.save(arrays, fewer_pairs / "train.pt")
     other_vocab = tmp_path / "other_vocab"
     build_vocabs(tmp_path / "tok", other_vocab, ("de", "en"), "bpe", 100, 1, "train", "val", seed=1)
-    changes = [(fewer_pairs, {}, "the training data (token ids) changed"),
-               (other_vocab, {}, "the vocabulary (vocab.pt) changed"),
-               (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48"),
-               (other_vocab, {"model.d_ff": 48, "model.decoder_N": 2}, "model.decoder_N was 0, now 2")]
+    changes = [
+        (fewer_pairs, {}, "the training data (token ids) changed"),
+        (other_vocab, {}, "the vocabulary (vocab.pt) changed"),
+        (other_vocab, {"model.d_ff": 48}, "model.d_ff was 64, now 48"),
+        (other_vocab, {"model.d_ff": 48, "model.decoder_N": 2}, "model.decoder_N was 0, now 2"),
+    ]
     for vocab, model, why in changes:
         newest = checkpoints.listed(out / "ckpt")[-1]
         result = run([sys.executable] + train_cmd(write_params(tmp_path, **steps, **model), vocab, out), ROOT)
@@ -465,7 +552,16 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
 def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
     cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
     if endpoint:
-        cmd += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test"]
+        cmd += [
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "test",
+        ]
     return cmd
 
 
@@ -491,13 +587,26 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     params = write_params(tmp_path, **common)
     endpoint = f"127.0.0.1:{free_port()}"
     env = tool_env()
-    nodes = [subprocess.Popen(_torchrun(2, 1, rank, endpoint) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            _torchrun(2, 1, rank, endpoint) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [n.communicate(timeout=240)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     local = tmp_path / "local"
     local.mkdir()
-    run(_torchrun(1, 2) + train_cmd(write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local), ROOT)
+    run(
+        _torchrun(1, 2)
+        + train_cmd(write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local),
+        ROOT,
+    )
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
 
 
@@ -546,14 +655,17 @@ def _validations(out: Path) -> list[dict[str, float]]:
     return [dict(zip(lines[0].split("\t"), map(float, line.split("\t")))) for line in lines[1:]]
 
 
-@pytest.mark.parametrize("bleus, patience, spent", [
-    ([10.0, 12.0, 11.0, 12.0], 2, True),  # 12.0 again is no rise
-    ([10.0, 12.0, 11.0, 12.5], 2, False),
-    ([10.0, 12.0, 11.0], 2, False),  # only one validation since the best
-    ([10.0, 9.0, 8.0], 2, True),
-    ([10.0, 9.0, 8.0], 0, False),  # 0: off
-    ([5.0], 1, False),
-])
+@pytest.mark.parametrize(
+    "bleus, patience, spent",
+    [
+        ([10.0, 12.0, 11.0, 12.0], 2, True),  # 12.0 again is no rise
+        ([10.0, 12.0, 11.0, 12.5], 2, False),
+        ([10.0, 12.0, 11.0], 2, False),  # only one validation since the best
+        ([10.0, 9.0, 8.0], 2, True),
+        ([10.0, 9.0, 8.0], 0, False),  # 0: off
+        ([5.0], 1, False),
+    ],
+)
 def test_patience_is_spent_after_that_many_validations_without_a_higher_bleu(bleus, patience, spent):
     from transformer.train import patience_spent
 
@@ -571,7 +683,9 @@ def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tm
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
     last = checkpoints.listed(tmp_path / "ckpt")[-1]
     sources = read_lines(vocab_dir.parent / "tok" / "val.de")
-    hyps = Translator(last, device="cpu").translate_tokenized(sources, beam=1, alpha=0.0, max_len_extra=20, batch_tokens=150)
+    hyps = Translator(last, device="cpu").translate_tokenized(
+        sources, beam=1, alpha=0.0, max_len_extra=20, batch_tokens=150
+    )
     expected = score_lines(hyps, read_lines(vocab_dir.parent / "toy" / "val.en"), "en", ("bleu",))["bleu"]
     assert rows[-1]["val_bleu"] == pytest.approx(expected, abs=1e-4) and expected > rows[0]["val_bleu"]
     assert json.loads((tmp_path / "reports" / "train.json").read_text())["val_bleu"] == pytest.approx(expected)
@@ -586,17 +700,25 @@ def test_eval_every_validates_and_checkpoints_between_epoch_ends_too(tmp_path, v
     assert sorted(int(r["step"]) for r in rows) == sorted(between + [per_epoch, 2 * per_epoch])  # no epoch end twice
     assert all(r["epoch"] == pytest.approx(r["step"] / per_epoch, rel=1e-5) for r in rows)  # the TSV keeps 6 digits
     assert all(r["val_bleu"] >= 0 for r in rows)
-    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(int(r["step"]) for r in rows)
+    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(
+        int(r["step"]) for r in rows
+    )
 
 
 def test_select_best_keeps_the_best_k_beside_the_last_ones(tmp_path, vocab_dir):
-    params = write_params(tmp_path, **{"train.epochs": 6, "train.keep": 1, "average.select": "best", "average.last_k": 3,
-                                        "train.factor": 3.0})
+    params = write_params(
+        tmp_path,
+        **{"train.epochs": 6, "train.keep": 1, "average.select": "best", "average.last_k": 3, "train.factor": 3.0},
+    )
     run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
     rows = _validations(tmp_path)
     best = checkpoints.best_steps({int(r["step"]): r["val_bleu"] for r in rows}, 3)
-    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(set(best) | {int(rows[-1]["step"])})
-    assert checkpoints.average_checkpoints(tmp_path / "ckpt", 3, "best")["averaged"] == [checkpoints.path_for(Path(), s).name for s in best]
+    assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(
+        set(best) | {int(rows[-1]["step"])}
+    )
+    assert checkpoints.average_checkpoints(tmp_path / "ckpt", 3, "best")["averaged"] == [
+        checkpoints.path_for(Path(), s).name for s in best
+    ]
 
 
 def _stalled(tmp_path: Path, **overrides) -> Path:
@@ -648,7 +770,9 @@ def test_members_train_as_single_runs_of_their_seeds_and_a_new_member_keeps_the_
     ens, alone = tmp_path / "ens", tmp_path / "alone"
     run([sys.executable] + train_cmd(write_params(ens, **common), vocab_dir, ens), ROOT)
     first = [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(ens / "ckpt")]
-    result = run([sys.executable] + train_cmd(write_params(ens, **common, **{"train.members": 2}), vocab_dir, ens), ROOT)
+    result = run(
+        [sys.executable] + train_cmd(write_params(ens, **common, **{"train.members": 2}), vocab_dir, ens), ROOT
+    )
     assert "member 2 of 2: seed 2" in result.stderr
     assert [(p.name, p.stat().st_mtime_ns) for p in checkpoints.listed(ens / "ckpt")] == first
     assert (ens / "ckpt" / "seed2" / "train_epochs.tsv").exists() and not (ens / "reports" / "seed2").exists()
@@ -658,21 +782,37 @@ def test_members_train_as_single_runs_of_their_seeds_and_a_new_member_keeps_the_
     assert same_values(member["model"], single["model"]) and member["params"] == single["params"]
     assert not same_values(member["model"], _final_weights(ens))
 
-    run([sys.executable, "stages/average_checkpoints.py", "--params", str(ens / "params.yaml"), "--checkpoints",
-         str(ens / "ckpt"), "--out", str(ens / "model.pt"), "--no-track"], ROOT)
+    run(
+        [
+            sys.executable,
+            "stages/average_checkpoints.py",
+            "--params",
+            str(ens / "params.yaml"),
+            "--checkpoints",
+            str(ens / "ckpt"),
+            "--out",
+            str(ens / "model.pt"),
+            "--no-track",
+        ],
+        ROOT,
+    )
     model = checkpoints.load(ens / "model.pt")
     assert [m["seed"] for m in model["members"]] == [2] and model["params"]["train"]["members"] == 2
     assert model["train_time_s"] == pytest.approx(_final(ens)["train_time_s"] + member["train_time_s"])
     for k, directory in enumerate((ens / "ckpt", ens / "ckpt" / "seed2")):
         checkpoints.save(tmp_path / f"member{k}.pt", checkpoints.average_checkpoints(directory, 2))
     lines = (vocab_dir.parent / "tok" / "val.de").read_text().splitlines()[:12]
-    assert (Translator(ens / "model.pt").translate_tokenized(lines)
-            == Translator([tmp_path / "member0.pt", tmp_path / "member1.pt"]).translate_tokenized(lines))
+    assert Translator(ens / "model.pt").translate_tokenized(lines) == Translator(
+        [tmp_path / "member0.pt", tmp_path / "member1.pt"]
+    ).translate_tokenized(lines)
 
 
 def test_a_member_trained_with_other_params_is_refused_by_name(tmp_path, vocab_dir):
     common = {"train.epochs": 1, "train.max_steps": 4, "average.last_k": 1}
-    run([sys.executable] + train_cmd(write_params(tmp_path, **common, **{"train.members": 2}), vocab_dir, tmp_path), ROOT)
+    run(
+        [sys.executable] + train_cmd(write_params(tmp_path, **common, **{"train.members": 2}), vocab_dir, tmp_path),
+        ROOT,
+    )
     stale = checkpoints.listed(tmp_path / "ckpt" / "seed2")[-1]
     ckpt = checkpoints.load(stale, checkpoints.RESUME_KEYS)
     ckpt["params"]["decode"]["alpha"] += 1  # decoding is not training: the ensemble decodes with the file's params

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from transformer import checkpoints
-from conftest import ROOT
 from transformer.config import load_params
 from transformer.io import DataError
 from transformer.model import make_model
@@ -34,15 +34,33 @@ def _search(**overrides) -> dict:
 def model_file(tmp_path_factory) -> Path:
     """A tiny, untrained model saved the way average_checkpoints saves one."""
     src, tgt = _vocabs()
-    config = {"src_vocab": len(src), "tgt_vocab": len(tgt), "N": 1, "d_model": 16, "d_ff": 32, "h": 2,
-              "dropout": 0.1, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    config = {
+        "src_vocab": len(src),
+        "tgt_vocab": len(tgt),
+        "N": 1,
+        "d_model": 16,
+        "d_ff": 32,
+        "h": 2,
+        "dropout": 0.1,
+        "norm": "pre",
+        "tie_embeddings": False,
+        "pad": PAD,
+    }
     torch.manual_seed(0)
     model = make_model(**config)
     path = tmp_path_factory.mktemp("model") / "model.pt"
     params = load_params(ROOT / "params.yaml").to_dict()
     assert (params["data"]["src_lang"], params["data"]["tgt_lang"]) == ("de", "en")
-    checkpoints.save(path, {"model": model.state_dict(), "model_config": config, "params": params,
-                            "vocab": {"src": src.state(), "tgt": tgt.state()}, "step": 1})
+    checkpoints.save(
+        path,
+        {
+            "model": model.state_dict(),
+            "model_config": config,
+            "params": params,
+            "vocab": {"src": src.state(), "tgt": tgt.state()},
+            "step": 1,
+        },
+    )
     return path
 
 
@@ -104,7 +122,10 @@ def test_same_vocabulary_passes_the_check(translator, tmp_path):
 
     save_vocabs(tmp_path, *_vocabs())  # as build_vocab writes it and decode reads it back
     src, tgt = load_vocabs(tmp_path)
-    assert (fingerprint(src), fingerprint(tgt)) == (fingerprint(translator.src_vocab), fingerprint(translator.tgt_vocab))
+    assert (fingerprint(src), fingerprint(tgt)) == (
+        fingerprint(translator.src_vocab),
+        fingerprint(translator.tgt_vocab),
+    )
     translator.check_vocab(src, tgt, tmp_path)  # raises DataError on a mismatch
 
 
@@ -155,14 +176,19 @@ def test_an_ensemble_scores_by_the_mean_of_its_members_probabilities(model_file,
     members = [Translator(f, device="cpu").model for f in (model_file, other)]
     ensemble = Translator([model_file, other], device="cpu")
     src = torch.tensor([ensemble.src_vocab.encode(SRC_LINES[1]) + [EOS]])
-    best = beam_search_nbest(ensemble.model, src, beam=2, alpha=0.6, max_len=torch.tensor([6]), bos=BOS, eos=EOS, nbest=1)[0][0]
+    best = beam_search_nbest(
+        ensemble.model, src, beam=2, alpha=0.6, max_len=torch.tensor([6]), bos=BOS, eos=EOS, nbest=1
+    )[0][0]
     tokens = best.tokens + ([EOS] if len(best.tokens) < 6 else [])
     per_member = []  # each member's log-probability of the ensemble's best hypothesis, token by token
     with torch.no_grad():
         for model in members:
             state = model.start(src)
-            per_member.append(torch.stack([model.step(state, torch.tensor([last]))[0, t]
-                                           for last, t in zip([BOS] + tokens[:-1], tokens)]))
+            per_member.append(
+                torch.stack(
+                    [model.step(state, torch.tensor([last]))[0, t] for last, t in zip([BOS] + tokens[:-1], tokens)]
+                )
+            )
     mean = torch.logsumexp(torch.stack(per_member), 0) - math.log(2)
     assert best.log_prob == pytest.approx(float(mean.sum()), abs=1e-4)
     assert all(abs(float(p.sum()) - best.log_prob) > 1e-3 for p in per_member)  # neither member alone
@@ -179,6 +205,7 @@ def test_an_ensemble_member_with_another_vocabulary_is_refused(model_file, tmp_p
 
 
 # `transformer translate` as a new user tries it: in-process (click's runner), with the model above.
+
 
 def _cli(model_file, *args, input=None):
     from click.testing import CliRunner
@@ -199,7 +226,7 @@ def _one_error_line(result, *needles):
 
 def test_cli_latin1_input_names_the_file_and_line(model_file, tmp_path):
     source = tmp_path / "latin1.de"
-    source.write_bytes("ein Hund\n".encode() + "Stra\xdfe f\xfcr M\xe4nner\n".encode("latin-1"))
+    source.write_bytes(b"ein Hund\n" + "Stra\xdfe f\xfcr M\xe4nner\n".encode("latin-1"))
     _one_error_line(_cli(model_file, "--input", str(source)), f"{source}:2:", "UTF-8")
 
 
@@ -209,7 +236,9 @@ def test_cli_text_file_as_model_is_not_a_model_file(tmp_path):
     _one_error_line(_cli(text, input="ein Hund\n"), str(text), "not a model file of this project")
 
 
-@pytest.mark.parametrize("option", [["--beam", "0"], ["--alpha", "-1"], ["--nbest", "0"], ["--top-p", "0"], ["--temperature", "0"]])
+@pytest.mark.parametrize(
+    "option", [["--beam", "0"], ["--alpha", "-1"], ["--nbest", "0"], ["--top-p", "0"], ["--temperature", "0"]]
+)
 def test_cli_out_of_range_search_options_are_usage_errors(model_file, option):
     result = _cli(model_file, *option, input="ein Hund\n")
     assert result.exit_code == 2 and option[0] in result.stderr and result.stdout == ""
@@ -227,14 +256,18 @@ def test_cli_empty_blank_emoji_and_cjk_lines_keep_their_places(model_file, tmp_p
     out = result.stdout.split("\n")
     assert len(out) == 6 and out[-1] == "" and out[1] == out[2] == ""
     assert out[0] != ""  # the model's own words: an untrained model may end at once on unknown ones
-    assert out[:5] == Translator(model_file, device="cpu").translate(["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], beam=2)
+    assert out[:5] == Translator(model_file, device="cpu").translate(
+        ["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], beam=2
+    )
 
 
 def test_cli_model_given_twice_translates_as_an_ensemble(model_file, tmp_path):
     other = _other_model_file(model_file, tmp_path / "other.pt")
     result = _cli(model_file, "--model", str(other), input="ein Hund\nzwei Männer\n")
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == Translator([model_file, other], device="cpu").translate(["ein Hund", "zwei Männer"], beam=2)
+    assert result.stdout.splitlines() == Translator([model_file, other], device="cpu").translate(
+        ["ein Hund", "zwei Männer"], beam=2
+    )
 
 
 def test_cli_long_source_is_bounded_and_warned_about(model_file):
@@ -257,8 +290,10 @@ def test_importing_the_package_stays_light_and_translator_loads_on_first_use():
     import subprocess
     import sys
 
-    code = ("import sys, transformer; assert 'torch' not in sys.modules, 'torch imported'; "
-            "from transformer import Translator; assert 'torch' in sys.modules; print(Translator.__module__)")
+    code = (
+        "import sys, transformer; assert 'torch' not in sys.modules, 'torch imported'; "
+        "from transformer import Translator; assert 'torch' in sys.modules; print(Translator.__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "transformer.translate"

@@ -8,12 +8,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer import vocab as vocab_module
 from transformer.batching import ParallelCorpus
 from transformer.io import DataError
 from transformer.tokenize import JOINER
-from transformer import vocab as vocab_module
-from transformer.vocab import (BOS, EOS, PAD, SPECIALS, UNK, BpeDropout, BpeVocab, WordVocab, build_vocabs, encode_corpus,
-                               fingerprint, load_vocabs, sample_corpus, vocab_from_state)
+from transformer.vocab import (
+    BOS,
+    EOS,
+    PAD,
+    SPECIALS,
+    UNK,
+    BpeDropout,
+    BpeVocab,
+    WordVocab,
+    build_vocabs,
+    encode_corpus,
+    fingerprint,
+    load_vocabs,
+    sample_corpus,
+    vocab_from_state,
+)
 
 WORDS = "der die das ein eine Mann Frau Hund läuft spielt the a man woman dog runs plays football".split()
 
@@ -95,7 +109,14 @@ def test_build_vocabs_leaves_only_its_outputs(tmp_path):
         for lang in ("de", "en"):
             (tok / f"{split}.{lang}").write_text("\n".join(_synthetic(200, seed=2)) + "\n")
     build_vocabs(tok, tmp_path / "out", ("de", "en"), "bpe", 50, 1, "train", "val", seed=1)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpe.model", "bpe.vocab", "train.pt", "val.pt", "vocab.json", "vocab.pt"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "bpe.model",
+        "bpe.vocab",
+        "train.pt",
+        "val.pt",
+        "vocab.json",
+        "vocab.pt",
+    ]
 
 
 @pytest.mark.parametrize("kind", ["word", "bpe"])
@@ -122,7 +143,7 @@ def test_encode_corpus_offsets_delimit_each_line():
     vocab = WordVocab.build(["a b c"], min_freq=1)
     ids, offsets = encode_corpus(vocab, ["a b", "", "c a b"])
     assert offsets.tolist() == [0, 2, 2, 5]
-    assert ids[offsets[2]:offsets[3]].tolist() == vocab.encode("c a b")
+    assert ids[offsets[2] : offsets[3]].tolist() == vocab.encode("c a b")
     assert ids.dtype == torch.int32
 
 
@@ -147,7 +168,7 @@ def test_build_vocabs_bpe_writes_vocab_and_id_arrays(tmp_path):
     val = ParallelCorpus(out / "val.pt")
     assert len(val) == 12
     first_de = (tok / "val.de").read_text(encoding="utf-8").split("\n")[0]
-    assert src.decode(val.src[val.src_off[0]:val.src_off[1]].tolist()) == first_de
+    assert src.decode(val.src[val.src_off[0] : val.src_off[1]].tolist()) == first_de
 
 
 def test_build_vocabs_word_writes_separate_vocabularies(tmp_path):
@@ -211,7 +232,7 @@ def test_sampled_ids_follow_the_key_and_not_the_number_of_processes(bpe, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(one, again))
     assert all(torch.equal(a, b) for a, b in zip(one, pool))
     assert not torch.equal(one[1], other[1])  # another epoch: other segmentations
-    assert bpe.decode(one[0][one[1][-2]:one[1][-1]].tolist()) == lines[-1]  # offsets line up across chunks
+    assert bpe.decode(one[0][one[1][-2] : one[1][-1]].tolist()) == lines[-1]  # offsets line up across chunks
 
 
 def _in_a_fresh_process(code: str, bpe: BpeVocab, lines: list[str], tmp_path: Path) -> str:
@@ -223,17 +244,27 @@ def _in_a_fresh_process(code: str, bpe: BpeVocab, lines: list[str], tmp_path: Pa
     (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (tmp_path / "bpe.model").write_bytes(bpe.proto)
     code = "import sys; from pathlib import Path; d = Path(sys.argv[1]); " + code
-    return subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1]).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
 
 
 def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
     """Every rank segments the split itself: a new interpreter must cut it as this one does."""
     lines = _synthetic(200, seed=8)
-    _in_a_fresh_process("import torch; from transformer.vocab import BpeVocab, sample_corpus; "
-                        "v = BpeVocab((d / 'bpe.model').read_bytes()); "
-                        "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
-                        "torch.save({'ids': ids, 'off': off}, d / 'out.pt')", bpe, lines, tmp_path)
+    _in_a_fresh_process(
+        "import torch; from transformer.vocab import BpeVocab, sample_corpus; "
+        "v = BpeVocab((d / 'bpe.model').read_bytes()); "
+        "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
+        "torch.save({'ids': ids, 'off': off}, d / 'out.pt')",
+        bpe,
+        lines,
+        tmp_path,
+    )
     theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     ids, off = sample_corpus(bpe, lines, 0.2, "seed 4 epoch 2 tgt")
     assert torch.equal(theirs["ids"], ids) and torch.equal(theirs["off"], off)
@@ -246,5 +277,8 @@ def test_the_sampling_pool_is_stopped_at_exit(bpe, tmp_path):
         "v = vocab.BpeVocab((d / 'bpe.model').read_bytes()); "
         "vocab.sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'k', workers=2); "
         "pool = vocab._workers[2]; atexit._run_exitfuncs(); print(vocab._workers is None, pool._state)",
-        bpe, _synthetic(200, seed=9), tmp_path)
+        bpe,
+        _synthetic(200, seed=9),
+        tmp_path,
+    )
     assert printed.split() == ["True", "TERMINATE"]

@@ -17,13 +17,13 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     """The scaled_dot_product_attention backends to train with.
 
     On CPU under bf16 autocast, torch's flash kernel is slower than the plain math one at
-    Multi30k's lengths (bench/bench.py, row f against row e: 12-20% fewer tokens/s),
-    so CPU bf16 training takes the math kernel.
+    Multi30k's lengths (bench/bench.py times both: row f against row e), so CPU bf16 training
+    takes the math kernel.
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
     builds an execution plan for every new shape: with token batches nearly every batch of the
-    first epoch is one (an H100, the default model: 348 ms an update against 27 with the
-    memory-efficient kernel). So CUDA training takes flash or memory-efficient kernels."""
+    first epoch is one, and planning outweighs the update (docs/speed.md). So CUDA training takes
+    flash or memory-efficient kernels."""
     if device.type == "cpu" and bf16:
         return sdpa_kernel(SDPBackend.MATH)
     if device.type == "cuda":
@@ -56,9 +56,14 @@ class MultiHeadAttention(nn.Module):
         self.weights: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, memory: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-        causal: bool = False, cache: dict[str, torch.Tensor] | None = None,
-        packing: Packing | None = None, memory_packing: Packing | None = None,
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        cache: dict[str, torch.Tensor] | None = None,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
     ) -> torch.Tensor:
         if self.self_attention:
             q, k, v = self._heads(self.qkv(x), 3, packing)  # (B, h, T, d_k) each

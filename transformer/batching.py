@@ -20,8 +20,12 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
-        return Batch(self.src.to(device, non_blocking=nb), self.tgt_in.to(device, non_blocking=nb),
-                     self.tgt_out.to(device, non_blocking=nb), self.ntokens)
+        return Batch(
+            self.src.to(device, non_blocking=nb),
+            self.tgt_in.to(device, non_blocking=nb),
+            self.tgt_out.to(device, non_blocking=nb),
+            self.ntokens,
+        )
 
 
 class ParallelCorpus:
@@ -46,22 +50,35 @@ class ParallelCorpus:
         return len(self.src_lens)
 
     def batch(self, index: list[int]) -> Batch:
-        src = [torch.cat([self.src[self.src_off[i]:self.src_off[i + 1]], torch.tensor([EOS], dtype=torch.int32)]) for i in index]
-        tgt = [self.tgt[self.tgt_off[i]:self.tgt_off[i + 1]] for i in index]
+        src = [
+            torch.cat([self.src[self.src_off[i] : self.src_off[i + 1]], torch.tensor([EOS], dtype=torch.int32)])
+            for i in index
+        ]
+        tgt = [self.tgt[self.tgt_off[i] : self.tgt_off[i + 1]] for i in index]
         bos, eos = torch.tensor([BOS], dtype=torch.int32), torch.tensor([EOS], dtype=torch.int32)
         pad = torch.nn.utils.rnn.pad_sequence
         tgt_out = pad([torch.cat([t, eos]) for t in tgt], batch_first=True, padding_value=PAD).long()
-        return Batch(pad(src, batch_first=True, padding_value=PAD).long(),
-                     pad([torch.cat([bos, t]) for t in tgt], batch_first=True, padding_value=PAD).long(),
-                     tgt_out, int(self.tgt_lens[index].sum()))
+        return Batch(
+            pad(src, batch_first=True, padding_value=PAD).long(),
+            pad([torch.cat([bos, t]) for t in tgt], batch_first=True, padding_value=PAD).long(),
+            tgt_out,
+            int(self.tgt_lens[index].sum()),
+        )
 
 
 class TrainingSplit:
     """The training pairs of each epoch: build_vocab's ids, or, with BPE-dropout, the tokenized text
     segmented afresh each epoch from a seed made of (seed, epoch), the same in every process."""
 
-    def __init__(self, fixed: ParallelCorpus, vocab: BpeVocab | None = None, lines: tuple[list[str], list[str]] | None = None,
-                 dropout: float = 0.0, seed: int = 0, workers: int = 1):
+    def __init__(
+        self,
+        fixed: ParallelCorpus,
+        vocab: BpeVocab | None = None,
+        lines: tuple[list[str], list[str]] | None = None,
+        dropout: float = 0.0,
+        seed: int = 0,
+        workers: int = 1,
+    ):
         self.fixed, self.vocab, self.lines = fixed, vocab, lines or ([], [])
         self.dropout, self.seed, self.workers = dropout, seed, workers
 
@@ -103,4 +120,4 @@ def epoch_steps(batches: list[list[int]], world: int, accum: int, rank: int) -> 
     batches, rank r the r-th, (r + world)-th, ...: the global batches do not depend on how they
     are split between processes and accumulation. A last, incomplete group is dropped."""
     per_step = world * accum
-    return [batches[s + rank:s + per_step:world] for s in range(0, len(batches) - per_step + 1, per_step)]
+    return [batches[s + rank : s + per_step : world] for s in range(0, len(batches) - per_step + 1, per_step)]

@@ -33,16 +33,22 @@ def load(path: Path | str, required: tuple[str, ...] = MODEL_KEYS) -> dict[str, 
     with open(path, "rb") as f:
         head = f.read(4)
     if head and not head.startswith(MAGIC):  # empty: truncated, below
-        raise DataError(f"{path}: not a model file of this project (those are PyTorch files written by the "
-                        f"train or average_checkpoints stage)")
+        raise DataError(
+            f"{path}: not a model file of this project (those are PyTorch files written by the "
+            f"train or average_checkpoints stage)"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         why = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line), "")
-        raise DataError(f"{path}: refused to load: it holds pickled objects other than weights, "
-                        f"which could run code; only load checkpoints written by this project. {why}") from None
+        raise DataError(
+            f"{path}: refused to load: it holds pickled objects other than weights, "
+            f"which could run code; only load checkpoints written by this project. {why}"
+        ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise DataError(f"{path}: truncated or corrupt checkpoint ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+        raise DataError(
+            f"{path}: truncated or corrupt checkpoint ({(str(e).splitlines() or [type(e).__name__])[0]})"
+        ) from None
     if not isinstance(checkpoint, dict):
         raise DataError(f"{path}: not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
     missing = [k for k in required if k not in checkpoint]
@@ -102,7 +108,9 @@ def restore_rng(rng: dict[str, Any], rank: int, device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"][rank], device)
 
 
-def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def average_state_dicts(
+    states: list[dict[str, torch.Tensor]], names: list[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Mean of model weights, accumulated in float32 and cast back; integer buffers from the last.
 
     Every state must have the same keys and shapes; a mismatch names the checkpoint and key."""
@@ -116,7 +124,9 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], names: list[str] 
             raise DataError(f"{name}: parameters differ from {names[0]}: {', '.join(diff[:5])}")
         for key, value in state.items():
             if value.shape != reference[key].shape:
-                raise DataError(f"{name}: '{key}' has shape {tuple(value.shape)}, {names[0]} has {tuple(reference[key].shape)}")
+                raise DataError(
+                    f"{name}: '{key}' has shape {tuple(value.shape)}, {names[0]} has {tuple(reference[key].shape)}"
+                )
     averaged = {}
     for key, value in reference.items():
         if value.is_floating_point():
@@ -143,12 +153,16 @@ def average_checkpoints(ckpt_dir: Path, last_k: int, select: str = "last") -> di
     newest = load(paths[-1])
     if select == "best":
         if "history" not in newest:
-            raise DataError(f"{paths[-1]}: checkpoint lacks history, which average.select = best reads the val BLEU from")
+            raise DataError(
+                f"{paths[-1]}: checkpoint lacks history, which average.select = best reads the val BLEU from"
+            )
         on_disk = {step_of(p) for p in paths}
         scores = {s: v for s, v in scores_of(newest["history"]["epochs"]).items() if s in on_disk}
         if len(scores) < last_k:
-            raise DataError(f"{ckpt_dir}: average.select = best needs {last_k} checkpoints with a val BLEU, "
-                            f"found {len(scores)} (checkpoints saved between validations have none)")
+            raise DataError(
+                f"{ckpt_dir}: average.select = best needs {last_k} checkpoints with a val BLEU, "
+                f"found {len(scores)} (checkpoints saved between validations have none)"
+            )
         chosen = [p for p in paths if step_of(p) in best_steps(scores, last_k)]
     else:
         chosen = paths[-last_k:]
@@ -156,8 +170,11 @@ def average_checkpoints(ckpt_dir: Path, last_k: int, select: str = "last") -> di
     last = loaded[-1]
     model = average_state_dicts([c["model"] for c in loaded], [str(p) for p in chosen])
     return {key: last[key] for key in MODEL_KEYS} | {
-        "model": model, "averaged": [p.name for p in chosen], "step": last["step"],
-        "mlflow_run_id": last.get("mlflow_run_id"), "train_time_s": last.get("train_time_s"),
+        "model": model,
+        "averaged": [p.name for p in chosen],
+        "step": last["step"],
+        "mlflow_run_id": last.get("mlflow_run_id"),
+        "train_time_s": last.get("train_time_s"),
     }
 
 
@@ -174,11 +191,23 @@ def average_members(ckpt_dir: Path, seeds: list[int], last_k: int, select: str =
         other = average_checkpoints(where, last_k, select)
         expected, found = (_as_member(training_params(c["params"]), seed) for c in (first, other))
         if found != expected:
-            changed = next(f"{s}.{key}" for s in expected for key in expected[s] | found.get(s, {})
-                           if found.get(s, {}).get(key) != expected[s].get(key))
+            changed = next(
+                f"{s}.{key}"
+                for s in expected
+                for key in expected[s] | found.get(s, {})
+                if found.get(s, {}).get(key) != expected[s].get(key)
+            )
             raise DataError(f"{where}: trained with other params than {ckpt_dir} ({changed}); rerun the train stage")
-        members.append({"seed": seed, "model": other["model"], "step": other["step"], "averaged": other["averaged"],
-                        "train_time_s": other["train_time_s"], "mlflow_run_id": other["mlflow_run_id"]})
+        members.append(
+            {
+                "seed": seed,
+                "model": other["model"],
+                "step": other["step"],
+                "averaged": other["averaged"],
+                "train_time_s": other["train_time_s"],
+                "mlflow_run_id": other["mlflow_run_id"],
+            }
+        )
     times = [first["train_time_s"]] + [m["train_time_s"] for m in members]
     params = first["params"] | {"train": first["params"]["train"] | {"members": len(seeds)}}
     return first | {"members": members, "params": params, "train_time_s": sum(times) if None not in times else None}

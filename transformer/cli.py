@@ -18,25 +18,69 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", "model_paths", required=True, multiple=True, type=click.Path(path_type=Path),
-              help="a model file (the average_checkpoints stage's output, or any checkpoint); "
-                   "given more than once, the models translate as an ensemble")
-@click.option("--input", "input_file", type=click.File("rb"), default="-", help="raw UTF-8 text, one sentence a line (default: stdin)")
+@click.option(
+    "--model",
+    "model_paths",
+    required=True,
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="a model file (the average_checkpoints stage's output, or any checkpoint); "
+    "given more than once, the models translate as an ensemble",
+)
+@click.option(
+    "--input",
+    "input_file",
+    type=click.File("rb"),
+    default="-",
+    help="raw UTF-8 text, one sentence a line (default: stdin)",
+)
 @click.option("--beam", type=click.IntRange(min=1), help="beam size; 1 is greedy (default: the model's decode params)")
 @click.option("--alpha", type=click.FloatRange(min=0), help="length penalty (default: the model's decode params)")
-@click.option("--nbest", type=click.IntRange(min=1), default=1, show_default=True,
-              help="hypotheses per sentence (at most --beam; with --sample, draws); > 1 writes JSON lines")
+@click.option(
+    "--nbest",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="hypotheses per sentence (at most --beam; with --sample, draws); > 1 writes JSON lines",
+)
 @click.option("--scores", is_flag=True, help="write JSON lines with each hypothesis's score")
 @click.option("--sample", is_flag=True, help="draw translations from the model instead of searching")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="--sample: keep the k most probable tokens (0: all)")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="--sample: keep the smallest set of tokens holding this much probability")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="--sample: divides the log-probabilities (< 1: sharper)")
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="--sample: keep the k most probable tokens (0: all)",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="--sample: keep the smallest set of tokens holding this much probability",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="--sample: divides the log-probabilities (< 1: sharper)",
+)
 @click.option("--seed", type=int, help="--sample: random seed; the same input and seed give the same output")
 @stage
-def translate(model_paths: tuple[Path, ...], input_file, beam: int | None, alpha: float | None, nbest: int, scores: bool,
-              sample: bool, top_k: int, top_p: float, temperature: float, seed: int | None) -> None:
+def translate(
+    model_paths: tuple[Path, ...],
+    input_file,
+    beam: int | None,
+    alpha: float | None,
+    nbest: int,
+    scores: bool,
+    sample: bool,
+    top_k: int,
+    top_p: float,
+    temperature: float,
+    seed: int | None,
+) -> None:
     """Translates raw text, one sentence per line, to stdout: one line per sentence, or with
     --nbest > 1 or --scores one JSON object per hypothesis:
     {"line": <input line, from 1>, "rank": <from 1>, "score": <log P(translation | source)>, "translation": ...}."""
@@ -48,8 +92,15 @@ def translate(model_paths: tuple[Path, ...], input_file, beam: int | None, alpha
     translator = Translator.load(model_paths)
     if not sample and nbest > (beam or translator.params["decode"]["beam"]):
         raise click.BadParameter(f"{nbest} exceeds the beam size; raise --beam", param_hint="--nbest")
-    search = {"beam": beam, "alpha": alpha, "sample": sample, "top_k": top_k, "top_p": top_p,
-              "temperature": temperature, "seed": seed}
+    search = {
+        "beam": beam,
+        "alpha": alpha,
+        "sample": sample,
+        "top_k": top_k,
+        "top_p": top_p,
+        "temperature": temperature,
+        "seed": seed,
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         found = translator.translate(lines, nbest=nbest, return_scores=True, **search)
@@ -63,15 +114,26 @@ def translate(model_paths: tuple[Path, ...], input_file, beam: int | None, alpha
         return
     for i, hyps in enumerate([[h] for h in found] if nbest == 1 else found, start=1):
         for rank, (text, score) in enumerate(hyps, start=1):
-            click.echo(json.dumps({"line": i, "rank": rank, "score": round(score, 4), "translation": text}, ensure_ascii=False))
+            click.echo(
+                json.dumps({"line": i, "rank": rank, "score": round(score, 4), "translation": text}, ensure_ascii=False)
+            )
 
 
 @main.command()
-@click.option("--hyps", required=True, type=click.Path(path_type=Path), help="translations, one detokenized sentence a line")
+@click.option(
+    "--hyps", required=True, type=click.Path(path_type=Path), help="translations, one detokenized sentence a line"
+)
 @click.option("--refs", required=True, type=click.Path(path_type=Path), help="references, line for line")
 @click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
-@click.option("--metric", "metrics", multiple=True, type=click.Choice(CHOICES["score.metrics"]),
-              default=CHOICES["score.metrics"], show_default=True, help="given once per metric")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    type=click.Choice(CHOICES["score.metrics"]),
+    default=CHOICES["score.metrics"],
+    show_default=True,
+    help="given once per metric",
+)
 @stage
 def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     """Scores translations as the score stage does and prints one JSON object:
@@ -83,10 +145,17 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
 
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["ctranslate2"]), default="ctranslate2", show_default=True)
-@click.option("--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path))
+@click.option(
+    "--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path)
+)
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="model directory to write")
-@click.option("--quantization", type=click.Choice(CHOICES["export.quantization"]),
-              default="none", show_default=True, help="weight type; none keeps float32")
+@click.option(
+    "--quantization",
+    type=click.Choice(CHOICES["export.quantization"]),
+    default="none",
+    show_default=True,
+    help="weight type; none keeps float32",
+)
 @stage
 def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
     """Exports a model file to an inference engine's format (CTranslate2)."""
@@ -99,8 +168,14 @@ def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
 @main.command()
 @click.argument("version", type=click.IntRange(min=1))
 @click.option("--alias", default="champion", show_default=True, help="the alias to point at VERSION")
-@click.option("--params", "params_path", default="params.yaml", show_default=True, type=click.Path(path_type=Path),
-              help="its export.registered_name names the registered model")
+@click.option(
+    "--params",
+    "params_path",
+    default="params.yaml",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="its export.registered_name names the registered model",
+)
 @stage
 def promote(version: int, alias: str, params_path: Path) -> None:
     """Points models:/<export.registered_name>@<alias> at a registered VERSION of the model."""

@@ -13,7 +13,6 @@ import yaml
 
 from transformer.errors import ConfigError
 
-
 # No field has a default: params.yaml (and each preset in params/) holds every value, and the
 # loader refuses a file that leaves one out, so no second copy can silently win.
 
@@ -68,13 +67,17 @@ class TrainConfig:
     warmup: int
     cooldown: float
     label_smoothing: float
-    weight_decay: float  # AdamW's decoupled decay of weight matrices and embeddings, per unit of rate; 0: the paper's Adam
+    weight_decay: (
+        float  # AdamW's decoupled decay of weight matrices and embeddings, per unit of rate; 0: the paper's Adam
+    )
     bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
     smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
     rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
     rdrop_from: float  # the fraction of the planned updates after which R-Drop starts; 0: from the first update
     rdrop_share: float  # the share of each micro-batch's sentences that R-Drop passes twice, drawn per batch; 1: all
-    rdrop_shared_encoder: bool  # true: R-Drop's two passes share one encoder pass and differ in the decoder's dropout alone
+    rdrop_shared_encoder: (
+        bool  # true: R-Drop's two passes share one encoder pass and differ in the decoder's dropout alone
+    )
     precision: str
     compile: bool
     save_every: int
@@ -134,7 +137,9 @@ class Params:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
-            name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            name: {
+                k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(self, name)).items()
+            }
             for name in SECTIONS
         }
 
@@ -142,25 +147,50 @@ class Params:
 SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
 TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a trained model depends on
 _SECTION_TYPES = typing.get_type_hints(Params)
-METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}  # score.metrics: name in reports
+METRICS = {
+    "bleu": "BLEU",
+    "bleu_tok_lc": "BLEU tok-lc",
+    "chrf": "chrF2",
+    "ter": "TER",
+}  # score.metrics: name in reports
 
 CHOICES = {
     "vocab.kind": ("word", "bpe"),
-    "model.norm": ("post", "pre"),
     "train.precision": ("auto", "fp32", "bf16"),
     "average.select": ("last", "best"),
     "score.metrics": tuple(METRICS),
     "export.quantization": ("none", "int8", "int8_float32", "int16", "float16", "bfloat16"),
 }
 POSITIVE = {
-    "tokenize.max_len", "vocab.size", "vocab.min_freq", "model.N", "model.d_model", "model.d_ff",
-    "model.h", "train.nproc", "train.nnodes", "train.members", "train.max_tokens", "train.accum", "train.epochs",
-    "train.factor", "train.warmup", "train.keep", "average.last_k", "decode.beam", "decode.batch_tokens",
+    "tokenize.max_len",
+    "vocab.size",
+    "vocab.min_freq",
+    "train.nproc",
+    "train.nnodes",
+    "train.members",
+    "train.max_tokens",
+    "train.accum",
+    "train.epochs",
+    "train.factor",
+    "train.warmup",
+    "train.keep",
+    "average.last_k",
+    "decode.beam",
+    "decode.batch_tokens",
 }
-NON_NEGATIVE = {"vocab.seed", "model.decoder_N", "train.save_every", "train.max_steps", "train.eval_every",
-                "train.patience", "train.rdrop", "train.weight_decay", "decode.max_len_extra", "decode.alpha"}
-FRACTIONS = {"model.dropout", "model.attn_dropout", "model.ff_dropout", "model.word_dropout", "train.label_smoothing",
-             "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
+NON_NEGATIVE = {
+    "vocab.seed",
+    "train.save_every",
+    "train.max_steps",
+    "train.eval_every",
+    "train.patience",
+    "train.rdrop",
+    "train.weight_decay",
+    "decode.max_len_extra",
+    "decode.alpha",
+}
+FRACTIONS = {"train.label_smoothing", "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
+MAX_LAYERS = 64  # model.N and model.decoder_N, also bounding what a model file may ask us to build
 REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option
@@ -209,7 +239,9 @@ def _section(name: str, raw: Any, source: str) -> Any:
         values[key] = _coerce(f"{name}.{key}", value, hints[key], source)
     missing = [f"{name}.{key}" for key in hints if key not in values]
     if missing:
-        raise ConfigError(f"{source}: missing key{'s' * (len(missing) > 1)} {', '.join(missing)} (params.yaml lists every key)")
+        raise ConfigError(
+            f"{source}: missing key{'s' * (len(missing) > 1)} {', '.join(missing)} (params.yaml lists every key)"
+        )
     return cls(**values)
 
 
@@ -249,18 +281,22 @@ def _check_values(p: Params, source: str) -> None:
     for key in FRACTIONS:
         if not 0 <= flat[key] < 1:
             fail(key, "must be in [0, 1)")
-    if p.model.d_model % p.model.h:
-        fail("model.d_model", f"is not divisible by model.h = {p.model.h}")
-    if p.model.d_model % 2:
-        fail("model.d_model", "must be even (sinusoidal positional encoding)")
+    for key, why in model_problems(dataclasses.asdict(p.model))[:1]:
+        fail(f"model.{key}", why)
     if p.model.tie_embeddings and p.vocab.kind != "bpe":
         fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
     if p.train.rdrop and not (p.model.dropout or p.model.attn_dropout or p.model.ff_dropout):
-        fail("train.rdrop", "needs dropout (model.dropout, attn_dropout or ff_dropout > 0): without it both passes are the same")
+        fail(
+            "train.rdrop",
+            "needs dropout (model.dropout, attn_dropout or ff_dropout > 0): without it both passes are the same",
+        )
     if not 0 < p.train.rdrop_share <= 1:
         fail("train.rdrop_share", "must be in (0, 1]")
     if p.train.rdrop_share < 1 and p.train.rdrop_shared_encoder:
-        fail("train.rdrop_share", "< 1 needs train.rdrop_shared_encoder: false (the shared encoder passes every sentence twice)")
+        fail(
+            "train.rdrop_share",
+            "< 1 needs train.rdrop_shared_encoder: false (the shared encoder passes every sentence twice)",
+        )
     if p.train.bpe_dropout and p.vocab.kind != "bpe":
         fail("train.bpe_dropout", "needs vocab.kind: bpe (a word vocabulary has one segmentation)")
     if p.data.src_lang == p.data.tgt_lang:
@@ -274,9 +310,35 @@ def _check_values(p: Params, source: str) -> None:
     for key in PATH_NAMES:
         names = flat[key] if isinstance(flat[key], list) else [flat[key]]
         if not all(NAME.fullmatch(name) for name in names):
-            fail(key, "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'")
+            fail(
+                key, "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'"
+            )
     if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
         fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
+
+
+def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, why) for each model hyperparameter out of range, in a `model` section or in a model
+    file's config (which adds src_vocab, tgt_vocab and pad): the one place these ranges live."""
+    problems = []
+    for key, least in (("N", 1), ("decoder_N", 0)):  # decoder_N 0: N
+        if not least <= m[key] <= MAX_LAYERS:
+            problems.append((key, f"must be in [{least}, {MAX_LAYERS}]"))
+    for key in ("d_model", "d_ff", "h", "src_vocab", "tgt_vocab"):
+        if key in m and not m[key] > 0:  # also refuses NaN
+            problems.append((key, "must be > 0"))
+    for key in ("dropout", "attn_dropout", "ff_dropout", "word_dropout"):
+        if not 0 <= m[key] < 1:
+            problems.append((key, "must be in [0, 1)"))
+    if m["norm"] not in ("post", "pre"):
+        problems.append(("norm", "is not one of post, pre"))
+    if m["h"] > 0 and m["d_model"] % m["h"]:
+        problems.append(("d_model", f"is not divisible by model.h = {m['h']}"))
+    if m["d_model"] % 2:
+        problems.append(("d_model", "must be even (sinusoidal positional encoding)"))
+    if "pad" in m and not 0 <= m["pad"] < min(m["src_vocab"], m["tgt_vocab"]):
+        problems.append(("pad", "must be a token id of both vocabularies"))
+    return problems
 
 
 def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -47,8 +47,10 @@ def load_registry(path: Path | str, corpus: str) -> dict[str, dict[str, list[dic
         for lang, sources in langs.items():
             where = f"{path}: {corpus}.{split}.{lang}"
             if not all(isinstance(name, str) and NAME.fullmatch(name) for name in (split, lang)):
-                raise DataError(f"{where}: split and language names become file names: letters, digits, "
-                                f"'_', '.' and '-' only, not starting with '.' or '-'")
+                raise DataError(
+                    f"{where}: split and language names become file names: letters, digits, "
+                    f"'_', '.' and '-' only, not starting with '.' or '-'"
+                )
             if not isinstance(sources, list) or not sources:
                 raise DataError(f"{where}: expected a non-empty list of sources")
             for s in sources:
@@ -109,7 +111,9 @@ def _fetch(source: dict[str, Any], corpus: str, mirror: str | None, cache: Path,
     elif mirror:
         local = Path(mirror) / corpus / _basename(source["url"])
         if not local.exists():
-            raise DataError(f"{local}: not in the mirror ({MIRROR_ENV}={mirror}); expected <mirror>/{corpus}/{local.name}")
+            raise DataError(
+                f"{local}: not in the mirror ({MIRROR_ENV}={mirror}); expected <mirror>/{corpus}/{local.name}"
+            )
     else:
         local = cache / _basename(source["url"])
         _http_get(source["url"], local)
@@ -166,7 +170,7 @@ def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
     elif fmt == "sgm":
         lines = [html.unescape(m.group(1)) for m in map(_SEG.search, lines) if m]
     if "keep_every" in source:  # fairseq's awk 'NR % n == 0'
-        lines = lines[source["keep_every"] - 1::source["keep_every"]]
+        lines = lines[source["keep_every"] - 1 :: source["keep_every"]]
     elif "drop_every" in source:
         n = source["drop_every"]
         lines = [line for i, line in enumerate(lines, 1) if i % n]
@@ -181,8 +185,10 @@ def _gunzip(stream: gzip.GzipFile, name: str) -> bytes:
     except (EOFError, OSError, zlib.error) as e:
         raise DataError(f"{name}: truncated or corrupt gzip ({e})") from None
     if len(data) > MAX_BYTES:
-        raise DataError(f"{name}: decompresses to more than {MAX_BYTES:,} bytes (transformer.download.MAX_BYTES): "
-                        f"a decompression bomb, or not the file the registry means")
+        raise DataError(
+            f"{name}: decompresses to more than {MAX_BYTES:,} bytes (transformer.download.MAX_BYTES): "
+            f"a decompression bomb, or not the file the registry means"
+        )
     return data
 
 
@@ -210,6 +216,8 @@ def _check_member(archive: Path, info: tarfile.TarInfo, count: int) -> None:
         raise DataError(f"{archive}: unsafe archive member '{info.name}' ({kind} escaping the output directory)")
     too_big = info.size > MAX_BYTES or info.offset_data + info.size > MAX_ARCHIVE_BYTES or count > MAX_MEMBERS
     if too_big:
-        raise DataError(f"{archive}: member '{info.name}' takes the archive past its caps ({MAX_BYTES:,} bytes a member, "
-                        f"{MAX_ARCHIVE_BYTES:,} in all, {MAX_MEMBERS:,} members; transformer.download): "
-                        f"a decompression bomb, or not the file the registry means")
+        raise DataError(
+            f"{archive}: member '{info.name}' takes the archive past its caps ({MAX_BYTES:,} bytes a member, "
+            f"{MAX_ARCHIVE_BYTES:,} in all, {MAX_MEMBERS:,} members; transformer.download): "
+            f"a decompression bomb, or not the file the registry means"
+        )

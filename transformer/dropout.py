@@ -25,7 +25,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return F.dropout(x, p, True)
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value
-    keep = bits.view(torch.int16)[:x.numel()].view(x.shape) >= dropped - _LEVELS // 2
+    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - _LEVELS // 2
     return x * keep * (_LEVELS / (_LEVELS - dropped))
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from transformer import checkpoints
 from transformer.config import CHOICES
@@ -112,17 +111,33 @@ def load_ctranslate2(model_dir: Path, threads: int = 1):
     return ctranslate2.Translator(str(model_dir), device="cpu", intra_threads=threads)
 
 
-def ctranslate2_translate(translator, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], beam: int, alpha: float,
-                          max_len_extra: int, batch_tokens: int = 0) -> list[list[int]]:
+def ctranslate2_translate(
+    translator,
+    src_vocab: Vocab,
+    tgt_vocab: Vocab,
+    lines: list[str],
+    beam: int,
+    alpha: float,
+    max_len_extra: int,
+    batch_tokens: int = 0,
+) -> list[list[int]]:
     """Target ids CTranslate2 decodes for tokenized lines, at most the longest source + max_len_extra
     (one bound for all, where ours bounds each sentence), batched by `batch_tokens` source tokens."""
     stoi = {t: i for i, t in enumerate(tokens(tgt_vocab))}
     batch = [source_tokens(src_vocab, line) for line in lines]
     out = [[] for _ in lines]
     live = [i for i, b in enumerate(batch) if lines[i].strip()]
-    for i, result in zip(live, translator.translate_batch(
-            [batch[i] for i in live], beam_size=beam, length_penalty=alpha, min_decoding_length=0,
-            max_batch_size=batch_tokens, batch_type="tokens",  # 0: one batch
-            max_decoding_length=max(len(batch[i]) for i in live) + max_len_extra if live else 1)):
+    for i, result in zip(
+        live,
+        translator.translate_batch(
+            [batch[i] for i in live],
+            beam_size=beam,
+            length_penalty=alpha,
+            min_decoding_length=0,
+            max_batch_size=batch_tokens,
+            batch_type="tokens",  # 0: one batch
+            max_decoding_length=max(len(batch[i]) for i in live) + max_len_extra if live else 1,
+        ),
+    ):
         out[i] = [stoi[t] for t in result.hypotheses[0]]
     return out

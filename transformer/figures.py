@@ -42,7 +42,9 @@ def labels(vocab: Vocab, ids: list[int]) -> list[str]:
 
 
 @torch.no_grad()
-def attention_maps(model, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], max_len_extra: int) -> list[AttentionMaps]:
+def attention_maps(
+    model, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], max_len_extra: int
+) -> list[AttentionMaps]:
     """Translates `lines` greedily, then runs the full forward pass on (source, translation)
     recording the last layers' attention weights."""
     model.eval()
@@ -63,8 +65,16 @@ def attention_maps(model, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], 
     maps = []
     for i, (e, hyp) in enumerate(zip(encoded, hyps)):
         S, T = len(e), len(hyp) + 1
-        maps.append(AttentionMaps(labels(src_vocab, e), labels(tgt_vocab, [BOS] + hyp), labels(tgt_vocab, hyp + [EOS]),
-                                  encoder[i, :, :S, :S], decoder[i, :, :T, :T], source[i, :, :T, :S]))
+        maps.append(
+            AttentionMaps(
+                labels(src_vocab, e),
+                labels(tgt_vocab, [BOS] + hyp),
+                labels(tgt_vocab, hyp + [EOS]),
+                encoder[i, :, :S, :S],
+                decoder[i, :, :T, :T],
+                source[i, :, :T, :S],
+            )
+        )
     return maps
 
 
@@ -90,8 +100,18 @@ def read_tsv(path: Path) -> dict[str, list[float]]:
         raise DataError(f"{path}: a row is not {len(header)} tab-separated numbers") from None
 
 
-def draw_figures(model: Transformer, ckpt: dict[str, Any], source: Path, steps_tsv: Path, epochs_tsv: Path,
-                 out_dir: Path, d_model: int, factor: float, warmup: int, cooldown: float) -> list[Path]:
+def draw_figures(
+    model: Transformer,
+    ckpt: dict[str, Any],
+    source: Path,
+    steps_tsv: Path,
+    epochs_tsv: Path,
+    out_dir: Path,
+    d_model: int,
+    factor: float,
+    warmup: int,
+    cooldown: float,
+) -> list[Path]:
     """Writes every figure of `model` (with its checkpoint's vocabularies) and of the train reports
     as a PNG into `out_dir`, built aside and swapped in whole."""
     import matplotlib
@@ -105,20 +125,42 @@ def draw_figures(model: Transformer, ckpt: dict[str, Any], source: Path, steps_t
     steps, epochs = read_tsv(steps_tsv), read_tsv(epochs_tsv)
     with atomic_dir(out_dir) as tmp:
         for n, m in enumerate(maps, 1):
-            heatmaps(m.encoder, m.src, m.src, f"encoder self-attention, last layer, sentence {n}",
-                     "key (source)", "query (source)", tmp / f"attention_{n}_encoder.png")
-            heatmaps(m.decoder, m.outputs, m.inputs, f"decoder self-attention, last layer, sentence {n}",
-                     "key (decoder input)", "query (predicting)", tmp / f"attention_{n}_decoder.png")
-            heatmaps(m.source, m.outputs, m.src, f"decoder-source attention, last layer, sentence {n}",
-                     "key (source)", "query (predicting)", tmp / f"attention_{n}_source.png")
+            heatmaps(
+                m.encoder,
+                m.src,
+                m.src,
+                f"encoder self-attention, last layer, sentence {n}",
+                "key (source)",
+                "query (source)",
+                tmp / f"attention_{n}_encoder.png",
+            )
+            heatmaps(
+                m.decoder,
+                m.outputs,
+                m.inputs,
+                f"decoder self-attention, last layer, sentence {n}",
+                "key (decoder input)",
+                "query (predicting)",
+                tmp / f"attention_{n}_decoder.png",
+            )
+            heatmaps(
+                m.source,
+                m.outputs,
+                m.src,
+                f"decoder-source attention, last layer, sentence {n}",
+                "key (source)",
+                "query (predicting)",
+                tmp / f"attention_{n}_source.png",
+            )
         lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png", cooldown)
         loss_figure(steps, epochs, tmp / "loss.png")
         names = sorted(p.name for p in tmp.iterdir())
     return [out_dir / name for name in names]
 
 
-def heatmaps(weights: torch.Tensor, rows: list[str], cols: list[str], title: str, xlabel: str, ylabel: str,
-             path: Path) -> None:
+def heatmaps(
+    weights: torch.Tensor, rows: list[str], cols: list[str], title: str, xlabel: str, ylabel: str, path: Path
+) -> None:
     """One heatmap per head, in a grid of up to 4 columns, tokens on both axes."""
     from matplotlib.figure import Figure
 
@@ -144,8 +186,9 @@ def heatmaps(weights: torch.Tensor, rows: list[str], cols: list[str], title: str
     fig.savefig(path, **PNG)
 
 
-def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path,
-              cooldown: float) -> None:
+def lr_figure(
+    d_model: int, factor: float, warmup: int, steps: dict[str, list[float]], path: Path, cooldown: float
+) -> None:
     """Left: the schedule for this warmup beside WARMUPS; right: the rate the training logged, on the formula
     (with the cooldown over the steps trained, which are all of them once training has finished)."""
     from matplotlib.figure import Figure
@@ -156,15 +199,28 @@ def lr_figure(d_model: int, factor: float, warmup: int, steps: dict[str, list[fl
     span = max(20000, 2 * max(WARMUPS), trained)
     for w, curve in schedule_curves(d_model, factor, warmup, span).items():
         mine = w == warmup
-        left.plot(range(1, span + 1), curve, lw=2.2 if mine else 1.2, ls="-" if mine else "--",
-                  label=f"warmup {w}" + (" (params)" if mine else ""))
-    left.set(title=f"lrate = {factor:g} · {d_model}^-0.5 · min(step^-0.5, step · warmup^-1.5)", xlabel="step",
-             ylabel="learning rate")
+        left.plot(
+            range(1, span + 1),
+            curve,
+            lw=2.2 if mine else 1.2,
+            ls="-" if mine else "--",
+            label=f"warmup {w}" + (" (params)" if mine else ""),
+        )
+    left.set(
+        title=f"lrate = {factor:g} · {d_model}^-0.5 · min(step^-0.5, step · warmup^-1.5)",
+        xlabel="step",
+        ylabel="learning rate",
+    )
     left.legend()
     if trained:
         right.plot(steps["step"], steps["lr"], ".", ms=5, color="tab:blue", label="logged by train")
-        right.plot(range(1, trained + 1), [rate(s, d_model, factor, warmup, trained, cooldown) for s in range(1, trained + 1)],
-                   color="black", lw=0.8, label="formula")
+        right.plot(
+            range(1, trained + 1),
+            [rate(s, d_model, factor, warmup, trained, cooldown) for s in range(1, trained + 1)],
+            color="black",
+            lw=0.8,
+            label="formula",
+        )
         right.legend()
     cooled = f", cooldown over the last {cooldown:.0%}" if cooldown else ""
     right.set(title=f"this training ({trained} steps{cooled})", xlabel="step", ylabel="learning rate")
@@ -178,7 +234,9 @@ def loss_figure(steps: dict[str, list[float]], epochs: dict[str, list[float]], p
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     ax.plot(steps["step"], steps["loss"], lw=0.8, alpha=0.6, label="train loss, label-smoothed (per update)")
-    ax.plot(epochs["step"], epochs["train_loss"], "o-", label="train loss, label-smoothed (mean of the last 200 updates)")
+    ax.plot(
+        epochs["step"], epochs["train_loss"], "o-", label="train loss, label-smoothed (mean of the last 200 updates)"
+    )
     ax.plot(epochs["step"], epochs["val_loss"], "s-", label="validation NLL (epoch end)")
     ax.set(title="loss per target token", xlabel="step", ylabel="loss (nats)")
     ax.legend()

@@ -14,7 +14,6 @@ from typing import Any
 
 from transformer.errors import DataError
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -42,8 +42,16 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
-                 attn_dropout: float = 0.0, ff_dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        h: int,
+        dropout: float,
+        norm: str,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+    ):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
         self.ff = FeedForward(d_model, d_ff, ff_dropout)
@@ -55,23 +63,42 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
-                 attn_dropout: float = 0.0, ff_dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        h: int,
+        dropout: float,
+        norm: str,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+    ):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
         self.src_attn = MultiHeadAttention(d_model, h, self_attention=False, dropout=attn_dropout)
         self.ff = FeedForward(d_model, d_ff, ff_dropout)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(3))
 
-    def forward(self, x, memory, src_mask, cache: tuple[Cache, Cache] | None = None,
-                packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x,
+        memory,
+        src_mask,
+        cache: tuple[Cache, Cache] | None = None,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
+    ) -> torch.Tensor:
         # Right-padded targets need no padding mask here: a real query never sees a later
         # (pad) key through the causal mask. When decoding one step at a time, nothing is later.
         self_cache, src_cache = cache if cache is not None else (None, None)
         causal = cache is None
         x = self.sublayers[0](x, lambda y: self.self_attn(y, causal=causal, cache=self_cache, packing=packing))
-        x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=src_cache, packing=packing,
-                                                         memory_packing=memory_packing))
+        x = self.sublayers[1](
+            x,
+            lambda y: self.src_attn(
+                y, memory, mask=src_mask, cache=src_cache, packing=packing, memory_packing=memory_packing
+            ),
+        )
         return self.sublayers[2](x, self.ff)
 
 
@@ -92,8 +119,15 @@ class Encoder(Stack):
 
 
 class Decoder(Stack):
-    def forward(self, x, memory, src_mask, caches: list[tuple[Cache, Cache]] | None = None,
-                packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x,
+        memory,
+        src_mask,
+        caches: list[tuple[Cache, Cache]] | None = None,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
+    ) -> torch.Tensor:
         """`caches`: one (self-attention, source-attention) pair per layer when decoding step by step."""
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, src_mask, None if caches is None else caches[i], packing, memory_packing)

@@ -9,14 +9,22 @@ from torch import nn
 _BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
 
 
-def token_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int,
-               smoothing: float, zero_pad: bool = False) -> torch.Tensor:
+def token_loss(
+    model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, smoothing: float, zero_pad: bool = False
+) -> torch.Tensor:
     """The loss summed over the non-pad positions of `tgt_out`; with smoothing 0, the NLL."""
     return smoothed_cross_entropy(*_projected(model, hidden, tgt_out, pad), pad, smoothing, zero_pad)
 
 
-def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, smoothing: float,
-               alpha: float, zero_pad: bool = False) -> torch.Tensor:
+def rdrop_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    tgt_out: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    alpha: float,
+    zero_pad: bool = False,
+) -> torch.Tensor:
     """R-Drop (Liang et al. 2021), summed over the non-pad positions of `tgt_out`. `hidden` holds two
     forward passes of the batch stacked along the batch dimension, each with its own dropout masks.
 
@@ -24,12 +32,23 @@ def rdrop_loss(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     symmetric KL divergence between their next-token distributions. That is the paper's objective
     (both cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
     scale of one pass and alpha means what the paper's does."""
-    logits, target = _projected(model, hidden, tgt_out.repeat(2, 1), pad, cast=False)  # one projection: the first pass's rows, then the second's
+    logits, target = _projected(
+        model, hidden, tgt_out.repeat(2, 1), pad, cast=False
+    )  # one projection: the first pass's rows, then the second's
     return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
 
 
-def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdrop: float = 0.0,
-               zero_pad: bool = False, shared_encoder: bool = False, share: float = 1.0) -> torch.Tensor:
+def batch_loss(
+    forward,
+    model: nn.Module,
+    batch,
+    pad: int,
+    smoothing: float,
+    rdrop: float = 0.0,
+    zero_pad: bool = False,
+    shared_encoder: bool = False,
+    share: float = 1.0,
+) -> torch.Tensor:
     """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its
     DDP wrapper) on the batch, then `model`'s generator. With rdrop > 0, R-Drop's, from two passes
     of the batch in one forward (each row draws its own dropout); with `shared_encoder`, the two
@@ -46,16 +65,19 @@ def batch_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, rdr
     return rdrop_loss(model, hidden, batch.tgt_out, pad, smoothing, rdrop, zero_pad)
 
 
-def _partial_rdrop_loss(forward, model: nn.Module, batch, pad: int, smoothing: float, alpha: float,
-                        zero_pad: bool, share: float) -> torch.Tensor:
+def _partial_rdrop_loss(
+    forward, model: nn.Module, batch, pad: int, smoothing: float, alpha: float, zero_pad: bool, share: float
+) -> torch.Tensor:
     """R-Drop on round(share * B) of the batch's B sentences, drawn from torch's generator (so a
     resumed run draws the same), and the plain loss on the others: each sentence keeps one pass's
     weight, and the work is 1 + share passes instead of 2."""
     n = batch.src.size(0)
-    twice = torch.randperm(n)[:max(1, round(share * n))].sort().values.to(batch.src.device)
+    twice = torch.randperm(n)[: max(1, round(share * n))].sort().values.to(batch.src.device)
     once = torch.ones(n, dtype=torch.bool, device=batch.src.device)
     once[twice] = False
-    hidden = forward(torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]]))  # (B + k, T, d)
+    hidden = forward(
+        torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]])
+    )  # (B + k, T, d)
     pairs = torch.cat([hidden[twice], hidden[n:]])  # the drawn sentences' first passes, then their second
     loss = rdrop_loss(model, pairs, batch.tgt_out[twice], pad, smoothing, alpha, zero_pad)
     return loss + token_loss(model, hidden[:n][once], batch.tgt_out[once], pad, smoothing, zero_pad)
@@ -78,8 +100,9 @@ class _RDrop(torch.autograd.Function):
     or whole, so the gradient is bit for bit what the whole tensor's steps give."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float,
-                zero_pad: bool) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float, zero_pad: bool
+    ) -> torch.Tensor:
         n, vocab = logits.size(0) // 2, logits.size(1)
         keep = target != pad  # (2n,), the same for both halves
         dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits (autocast) are worked on in float32
@@ -89,7 +112,10 @@ class _RDrop(torch.autograd.Function):
         with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
             for start in range(0, n, pairs):
                 stop = min(start + pairs, n)
-                rows = (slice(start, stop), slice(n + start, n + stop))  # the pairs' rows in the first pass, then the second
+                rows = (
+                    slice(start, stop),
+                    slice(n + start, n + stop),
+                )  # the pairs' rows in the first pass, then the second
                 lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
                 p1, p2 = lp1.exp(), lp2.exp()
                 dl, dp = lp1 - lp2, p1 - p2
@@ -103,10 +129,12 @@ class _RDrop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        g, = ctx.saved_tensors
+        (g,) = ctx.saved_tensors
         out, rows = torch.empty_like(g, dtype=ctx.dtype), _block_rows(g)
         for start in range(0, g.size(0), rows):  # block by block: each is read from memory once
-            out[start:start + rows] = g[start:start + rows] * grad  # g itself is kept: a graph may be run backward twice
+            out[start : start + rows] = (
+                g[start : start + rows] * grad
+            )  # g itself is kept: a graph may be run backward twice
         return out, None, None, None, None, None
 
 
@@ -116,15 +144,26 @@ def _block_rows(x: torch.Tensor) -> int:
     return max(1, _BLOCK // x.size(1)) if x.device.type == "cpu" else max(1, x.size(0))
 
 
-def _rdrop_gradient(g: torch.Tensor, prob: torch.Tensor, dl: torch.Tensor, dp: torch.Tensor, sign: float,
-                    target: torch.Tensor, keep: torch.Tensor, pad: int, smoothing: float, alpha: float,
-                    zero_pad: bool) -> None:
+def _rdrop_gradient(
+    g: torch.Tensor,
+    prob: torch.Tensor,
+    dl: torch.Tensor,
+    dp: torch.Tensor,
+    sign: float,
+    target: torch.Tensor,
+    keep: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    alpha: float,
+    zero_pad: bool,
+) -> None:
     """Writes into g (m, V) d loss / d logits for m rows of one pass (sign 1: the first, -1: the second)."""
     torch.addcmul(dp, prob, dl, out=g)
     if sign < 0:
         g.neg_()
     g.mul_(alpha / 4)
-    # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
+    # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad,
+    # 1 - smoothing more on gold
     spread = smoothing / (g.size(-1) - 2 if zero_pad else g.size(-1))
     g.sub_(spread / 2)
     if zero_pad:
@@ -135,8 +174,9 @@ def _rdrop_gradient(g: torch.Tensor, prob: torch.Tensor, dl: torch.Tensor, dp: t
     g.masked_fill_(~keep[:, None], 0.0)
 
 
-def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int,
-               cast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _projected(
+    model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, cast: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The generator's logits (n, V), in float32 (with `cast`; else in the generator's dtype), and their targets (n,).
 
     On a CPU only the non-pad positions go through the generator: padding costs no vocabulary
@@ -151,8 +191,9 @@ def _projected(model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pa
     return (logits.float() if cast else logits), target
 
 
-def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float,
-                           zero_pad: bool = False) -> torch.Tensor:
+def smoothed_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool = False
+) -> torch.Tensor:
     """Summed over the rows of logits (n, V) whose target is not `pad`.
 
     The smoothed target puts 1 - smoothing on the gold token and spreads smoothing over
@@ -165,8 +206,9 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
     return loss.masked_fill(target == pad, 0.0).sum()
 
 
-def _smoothed_nll(log_probs: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float,
-                  zero_pad: bool) -> torch.Tensor:
+def _smoothed_nll(
+    log_probs: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool
+) -> torch.Tensor:
     """Per row of log_probs (n, V): the cross-entropy against the smoothed target, which puts
     1 - smoothing on the gold token and spreads smoothing over every column (torch's), or with
     `zero_pad` over the V - 2 columns that are neither gold nor <blank>."""

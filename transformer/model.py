@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from transformer import checkpoints
+from transformer.config import ModelConfig, model_problems
 from transformer.dropout import Dropout
 from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.io import DataError
@@ -48,9 +50,26 @@ def _rows(cache: Cache, index: torch.Tensor) -> Cache:
 
 
 class Transformer(nn.Module):
-    def __init__(self, src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int,
-                 dropout: float, norm: str, tie_embeddings: bool, pad: int, attn_dropout: float = 0.0,
-                 ff_dropout: float = 0.0, word_dropout: float = 0.0, decoder_N: int = 0):
+    # Keyword-only: the names are params.yaml's model keys (plus the vocabularies' sizes and pad id),
+    # and a model file's model_config is exactly these keyword arguments.
+    def __init__(
+        self,
+        *,
+        src_vocab: int,
+        tgt_vocab: int,
+        pad: int,
+        N: int,
+        d_model: int,
+        d_ff: int,
+        h: int,
+        dropout: float,
+        norm: str,
+        tie_embeddings: bool,
+        attn_dropout: float = 0.0,
+        ff_dropout: float = 0.0,
+        word_dropout: float = 0.0,
+        decoder_N: int = 0,
+    ):
         super().__init__()
         self.pad, self.word_dropout = pad, word_dropout
         drops = (dropout, norm, attn_dropout, ff_dropout)
@@ -78,8 +97,16 @@ class Transformer(nn.Module):
         x = self.dropout(x if packing is None else packing.pack(x))
         return self.encoder(x, src_mask, packing)
 
-    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, caches: list | None = None,
-               start: int = 0, packing: Packing | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        caches: list | None = None,
+        start: int = 0,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
+    ) -> torch.Tensor:
         """States (B, T, d_model), or (n, d_model) with a packing of tgt."""
         x = self.position(self.tgt_embed(tgt), start)  # (B, T, d_model)
         x = self.dropout(x if packing is None else packing.pack(x))
@@ -133,15 +160,12 @@ def decoder_layers(config: dict[str, Any]) -> int:
     return config.get("decoder_N") or config["N"]
 
 
-def make_model(src_vocab: int, tgt_vocab: int, N: int, d_model: int, d_ff: int, h: int, dropout: float, norm: str,
-               tie_embeddings: bool, pad: int, attn_dropout: float = 0.0, ff_dropout: float = 0.0,
-               word_dropout: float = 0.0, decoder_N: int = 0) -> Transformer:
-    """Builds the model from hyperparameters (params.yaml's `model` section; `pad`, the vocabulary's
-    padding id), Xavier-uniform on every matrix: N encoder layers, and decoder_N decoder layers
-    (0: N). The three extra dropouts and decoder_N default to 0, as in model files written before
-    they existed."""
-    model = Transformer(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, norm, tie_embeddings, pad,
-                        attn_dropout, ff_dropout, word_dropout, decoder_N)
+def make_model(config: ModelConfig | None = None, **args: Any) -> Transformer:
+    """Builds the model, Xavier-uniform on every matrix, from Transformer's keyword arguments: a
+    ModelConfig (params.yaml's `model` section) with src_vocab, tgt_vocab and pad, or all of them
+    as keywords (a model file's model_config). N encoder layers and decoder_N decoder layers (0: N);
+    the three extra dropouts and decoder_N default to 0, as in model files written before them."""
+    model = Transformer(**(dataclasses.asdict(config) if config else {}) | args)
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
@@ -162,8 +186,9 @@ def load_members(path: Path | str, device: torch.device | str = "cpu") -> tuple[
     members = checkpoint.get("members", [])
     if not isinstance(members, list) or not all(isinstance(m, dict) and "model" in m for m in members):
         raise DataError(f"{path}: 'members' is not a list of member weights")
-    return [model] + [_built(checkpoint["model_config"], m["model"], f"{path} (member seed {m.get('seed')})", device)
-                      for m in members], checkpoint
+    return [model] + [
+        _built(checkpoint["model_config"], m["model"], f"{path} (member seed {m.get('seed')})", device) for m in members
+    ], checkpoint
 
 
 def _built(config: Any, weights: dict[str, Any], source: str, device: torch.device | str) -> Transformer:
@@ -173,9 +198,6 @@ def _built(config: Any, weights: dict[str, Any], source: str, device: torch.devi
     except RuntimeError as e:
         raise DataError(f"{source}: weights do not fit the model config ({str(e).splitlines()[0]})") from None
     return model.to(device).eval()
-
-
-MAX_LAYERS = 64  # the N (and decoder_N) a model file may ask for; its sizes are bounded by the weights it holds
 
 
 def check_model_config(config: Any, weights: dict[str, Any], source: str) -> dict[str, Any]:
@@ -193,13 +215,15 @@ def check_model_config(config: Any, weights: dict[str, Any], source: str) -> dic
         expected = {}
     if found != expected:
         key = min(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
-        raise DataError(f"{source}: weights do not fit the model config ('{key}' is {found.get(key)} in the file, "
-                        f"{expected.get(key)} by the config)")
+        raise DataError(
+            f"{source}: weights do not fit the model config ('{key}' is {found.get(key)} in the file, "
+            f"{expected.get(key)} by the config)"
+        )
     return args
 
 
 def _checked_args(config: Any, source: str) -> dict[str, Any]:
-    signature = inspect.signature(make_model).parameters
+    signature = {k: p for k, p in inspect.signature(Transformer.__init__).parameters.items() if k != "self"}
     if not isinstance(config, dict):
         raise DataError(f"{source}: model config is a {type(config).__name__}, not a mapping")
     unknown = sorted(set(config) - set(signature))
@@ -211,13 +235,9 @@ def _checked_args(config: Any, source: str) -> dict[str, Any]:
         kind = signature[key].annotation  # the annotations are strings (from __future__ import annotations)
         if not (type(value).__name__ == kind or (kind == "float" and type(value) is int)):
             raise DataError(f"{source}: model config '{key}' = {value!r} is not {kind}")
-    ok = (1 <= c["N"] <= MAX_LAYERS and 0 <= c["decoder_N"] <= MAX_LAYERS
-          and all(c[k] > 0 for k in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h"))
-          and c["d_model"] % c["h"] == 0 and c["d_model"] % 2 == 0 and c["norm"] in ("post", "pre")
-          and all(0 <= c[k] < 1 for k in ("dropout", "attn_dropout", "ff_dropout", "word_dropout"))
-          and 0 <= c["pad"] < min(c["src_vocab"], c["tgt_vocab"]))
-    if not ok:
-        raise DataError(f"{source}: model config out of range: {config}; expected N in [1, {MAX_LAYERS}], "
-                        f"decoder_N in [0, {MAX_LAYERS}], positive sizes, an even d_model divisible by h, "
-                        f"dropouts in [0, 1), norm post or pre, pad < vocabulary")
+    problems = model_problems(c)
+    if problems:
+        raise DataError(
+            f"{source}: model config out of range: {config}; " + "; ".join(f"{key} {why}" for key, why in problems)
+        )
     return c

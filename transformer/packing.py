@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Pack a batch side whose real tokens fill less than this share of its positions. bench/packing.py,
-# small model on 2 cores: packing gains below about 0.8 in bf16 and 0.9 in fp32, and costs 2-5% above.
+# Pack a batch side whose real tokens fill less than this share of its positions: below it packing
+# gains, above it gathering the tokens costs more than the padding it skips (bench/packing.py).
 PACK_BELOW = 0.8
 
 
@@ -43,4 +43,6 @@ class Packing:
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) -> (B, T, ...), zeros at the padding."""
         rest = x.shape[1:]
-        return x.new_zeros(self.rows * self.length, *rest).index_copy(0, self.index, x).view(self.rows, self.length, *rest)
+        return (
+            x.new_zeros(self.rows * self.length, *rest).index_copy(0, self.index, x).view(self.rows, self.length, *rest)
+        )

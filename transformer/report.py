@@ -41,8 +41,10 @@ def load_anchors(corpus: str, src: str, tgt: str, path: Path = ANCHORS) -> list[
     anchors = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get(corpus, {}).get(f"{src}-{tgt}", [])
     for a in anchors:
         if a.get("kind") not in KINDS:
-            raise DataError(f"{path}: {corpus} {src}-{tgt} {a.get('testset')}: kind must be one of {', '.join(KINDS)}, "
-                            f"got {a.get('kind')!r}")
+            raise DataError(
+                f"{path}: {corpus} {src}-{tgt} {a.get('testset')}: kind must be one of {', '.join(KINDS)}, "
+                f"got {a.get('kind')!r}"
+            )
     return anchors
 
 
@@ -64,16 +66,24 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
 
-def headline(params: Params, scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
-             timings: dict[str, dict[str, Any]]) -> list[str]:
+def headline(
+    params: Params, scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], timings: dict[str, dict[str, Any]]
+) -> list[str]:
     """The one-row summary: the anchors' test set (else the last one), every metric, the published
     figures and our baselines on it, the pipeline's time."""
     d = params.data
     named = [a["testset"] for a in anchors if a["testset"] in scores]
     testset = named[0] if named else list(scores)[-1]
     s = scores[testset]
-    beside = [", ".join(f"{a['bleu']} {METRICS.get(a['metric'], a['metric'])}" for a in anchors
-                        if a["testset"] == testset and a["kind"] == kind) or "none" for kind in KINDS]
+    beside = [
+        ", ".join(
+            f"{a['bleu']} {METRICS.get(a['metric'], a['metric'])}"
+            for a in anchors
+            if a["testset"] == testset and a["kind"] == kind
+        )
+        or "none"
+        for kind in KINDS
+    ]
     total = sum(t["wall_s"] for t in timings.values())
     row = [d.corpus, _direction(params), testset] + [s.get(m, "-") for m in METRICS] + beside + [_minutes(total)]
     return _table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
@@ -85,15 +95,30 @@ def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
     for a in (a for a in anchors if a["kind"] == kind):
         ours = scores.get(a["testset"], {}).get(a["metric"])
         diff = f"{ours - a['bleu']:+.2f}" if isinstance(ours, (int, float)) else "-"
-        rows.append([a["testset"], METRICS.get(a["metric"], a["metric"]), a["bleu"], ours if ours is not None else "-",
-                     diff, a["how"], a["source"]])
+        rows.append(
+            [
+                a["testset"],
+                METRICS.get(a["metric"], a["metric"]),
+                a["bleu"],
+                ours if ours is not None else "-",
+                diff,
+                a["how"],
+                a["source"],
+            ]
+        )
     if not rows:
         return [f"No {kind} figure is on record for this corpus and direction (transformer/anchors.yaml)."]
-    return _table(["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"], rows)
+    return _table(
+        ["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"], rows
+    )
 
 
 def score_table(scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]]) -> list[str]:
-    rows = [[t, METRICS.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"] for t, s in scores.items() for m, v in s.items()]
+    rows = [
+        [t, METRICS.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"]
+        for t, s in scores.items()
+        for m, v in s.items()
+    ]
     return _table(["test set", "metric", "score", "sacreBLEU signature"], rows)
 
 
@@ -101,39 +126,65 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
     """The params that decide the score, and the model's size."""
     p, t = params, params.train
     vocab = f"joint BPE {p.vocab.size}" if p.vocab.kind == "bpe" else f"word, min_freq {p.vocab.min_freq}"
-    rows = [["model", f"{model['model']}, dropout {p.model.dropout}, {'tied' if p.model.tie_embeddings else 'separate'} embeddings"],
-            ["parameters", model["parameters"]],
-            ["vocabulary", vocab],
-            ["batches", f"{t.max_tokens} tokens × nproc {t.nproc} × nnodes {t.nnodes} × accum {t.accum}"],
-            ["schedule", f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"
-                         + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else "")],
-            ["regularization", f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"
-                               + (f", attention dropout {p.model.attn_dropout}" if p.model.attn_dropout else "")
-                               + (f", feed-forward dropout {p.model.ff_dropout}" if p.model.ff_dropout else "")
-                               + (f", source word dropout {p.model.word_dropout}" if p.model.word_dropout else "")
-                               + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
-                               + (f", weight decay {t.weight_decay}" if t.weight_decay else "")
-                               + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
-                               + (f" on {t.rdrop_share:.0%} of each batch's sentences" if t.rdrop and t.rdrop_share < 1 else "")
-                               + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")
-                               + (" on one encoder pass" if t.rdrop and t.rdrop_shared_encoder else "")],
-            ["precision, seed", f"{t.precision}, seed {t.seed}"],
-            *([["ensemble", f"{t.members} models, seeds {', '.join(map(str, t.member_seeds()))}: their next-token "
-                            f"probabilities averaged in beam search"]] if t.members > 1 else []),
-            ["averaged", _averaged(p.average.last_k, p.average.select)],
-            ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
-            ["training time", model["training time"]]]
+    rows = [
+        [
+            "model",
+            f"{model['model']}, dropout {p.model.dropout}, "
+            f"{'tied' if p.model.tie_embeddings else 'separate'} embeddings",
+        ],
+        ["parameters", model["parameters"]],
+        ["vocabulary", vocab],
+        ["batches", f"{t.max_tokens} tokens × nproc {t.nproc} × nnodes {t.nnodes} × accum {t.accum}"],
+        [
+            "schedule",
+            f"{t.epochs} epochs ({model['updates']} updates), factor {t.factor}, warmup {t.warmup}"
+            + (f", cooldown over the last {t.cooldown:.0%}" if t.cooldown else ""),
+        ],
+        [
+            "regularization",
+            f"label smoothing {t.label_smoothing}, dropout {p.model.dropout}"
+            + (f", attention dropout {p.model.attn_dropout}" if p.model.attn_dropout else "")
+            + (f", feed-forward dropout {p.model.ff_dropout}" if p.model.ff_dropout else "")
+            + (f", source word dropout {p.model.word_dropout}" if p.model.word_dropout else "")
+            + (f", BPE-dropout {t.bpe_dropout}" if t.bpe_dropout else "")
+            + (f", weight decay {t.weight_decay}" if t.weight_decay else "")
+            + (f", R-Drop α {t.rdrop}" if t.rdrop else "")
+            + (f" on {t.rdrop_share:.0%} of each batch's sentences" if t.rdrop and t.rdrop_share < 1 else "")
+            + (f" over the last {1 - t.rdrop_from:.0%} of the updates" if t.rdrop and t.rdrop_from else "")
+            + (" on one encoder pass" if t.rdrop and t.rdrop_shared_encoder else ""),
+        ],
+        ["precision, seed", f"{t.precision}, seed {t.seed}"],
+        *(
+            [
+                [
+                    "ensemble",
+                    f"{t.members} models, seeds {', '.join(map(str, t.member_seeds()))}: their next-token "
+                    f"probabilities averaged in beam search",
+                ]
+            ]
+            if t.members > 1
+            else []
+        ),
+        ["averaged", _averaged(p.average.last_k, p.average.select)],
+        ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
+        ["training time", model["training time"]],
+    ]
     return _table(["", ""], rows)
 
 
 def _averaged(k: int, select: str) -> str:
     if select == "best":
-        return f"the {k} checkpoints with the highest val BLEU" if k > 1 else "no: the checkpoint with the highest val BLEU"
+        return (
+            f"the {k} checkpoints with the highest val BLEU"
+            if k > 1
+            else "no: the checkpoint with the highest val BLEU"
+        )
     return f"last {k} checkpoints" if k > 1 else "no: the last checkpoint alone"
 
 
 def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
-    """Each stage's wall time; a stage that resumed work (train) counts its earlier invocations' too, and says how much."""
+    """Each stage's wall time; a stage that resumed work (train) counts its earlier invocations' too,
+    and says how much."""
     rows = []
     for name, t in timings.items():
         resumed = f" ({_minutes(t['resumed_s'])} of it before a resume)" if t.get("resumed_s") else ""
@@ -142,21 +193,51 @@ def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
     return _table(["stage", "wall time", "finished (UTC)"], rows)
 
 
-def section(params: Params, scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]],
-            model: dict[str, Any], timings: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
-            hardware: str, commit: str | None) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+def section(
+    params: Params,
+    scores: dict[str, dict[str, Any]],
+    signatures: dict[str, dict[str, str]],
+    model: dict[str, Any],
+    timings: dict[str, dict[str, Any]],
+    anchors: list[dict[str, Any]],
+    hardware: str,
+    commit: str | None,
+) -> str:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     baselines = any(a["kind"] == "baseline" for a in anchors)
-    parts = [f"## {params.data.corpus} {_direction(params)}", "", *headline(params, scores, anchors, timings), "",
-             "Beside the published figures, each in the metric it was published with:", "",
-             *comparison(scores, anchors, "published"), "",
-             *(["Beside our own baselines (other models trained by us, not published figures):", "",
-                *comparison(scores, anchors, "baseline"), ""] if baselines else []),
-             "All scores:", "", *score_table(scores, signatures), "",
-             "Recipe:", "", *recipe(params, model), "",
-             "Wall time per stage (each stage's process, start-up included; DVC's own bookkeeping between stages is not):",
-             "", *timing_table(timings), "",
-             f"Hardware: {hardware}. Code: git commit {commit or 'unknown'}. Written {now}."]
+    parts = [
+        f"## {params.data.corpus} {_direction(params)}",
+        "",
+        *headline(params, scores, anchors, timings),
+        "",
+        "Beside the published figures, each in the metric it was published with:",
+        "",
+        *comparison(scores, anchors, "published"),
+        "",
+        *(
+            [
+                "Beside our own baselines (other models trained by us, not published figures):",
+                "",
+                *comparison(scores, anchors, "baseline"),
+                "",
+            ]
+            if baselines
+            else []
+        ),
+        "All scores:",
+        "",
+        *score_table(scores, signatures),
+        "",
+        "Recipe:",
+        "",
+        *recipe(params, model),
+        "",
+        "Wall time per stage (each stage's process, start-up included; DVC's own bookkeeping between stages is not):",
+        "",
+        *timing_table(timings),
+        "",
+        f"Hardware: {hardware}. Code: git commit {commit or 'unknown'}. Written {now}.",
+    ]
     return "\n".join(parts) + "\n"
 
 

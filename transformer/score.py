@@ -56,8 +56,11 @@ def markdown_report(scores: dict[str, dict[str, Any]], meta: dict[str, Any]) -> 
     """A table per test set and metric, with signatures and what produced the numbers."""
     import pandas as pd
 
-    rows = [{"test set": testset, "metric": m, "score": s[m], "signature": s[f"{m}_signature"].replace("|", "\\|")}
-            for testset, s in scores.items() for m in values(s)]
+    rows = [
+        {"test set": testset, "metric": m, "score": s[m], "signature": s[f"{m}_signature"].replace("|", "\\|")}
+        for testset, s in scores.items()
+        for m in values(s)
+    ]
     table = pd.DataFrame(rows).to_markdown(index=False) if rows else "(no scores)"
     lines = ["# Scores", "", table, ""] + [f"- {k}: {v}" for k, v in meta.items()]
     return "\n".join(lines) + "\n"

@@ -57,8 +57,17 @@ def greedy(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int) 
     return [h.tokens for h in one_path(model, src, max_len, bos, eos, lambda log_probs: log_probs.argmax(-1))]
 
 
-def sample(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int, temperature: float = 1.0,
-           top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> list[Hypothesis]:
+def sample(
+    model,
+    src: torch.Tensor,
+    max_len: torch.Tensor,
+    bos: int,
+    eos: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[Hypothesis]:
     """Ancestral sampling: each next token drawn from the model's distribution, sharpened or
     flattened by `temperature` and cut to the `top_k` most probable tokens and to the smallest
     set holding `top_p` of the mass (nucleus sampling). 0 and 1.0 switch either cut off."""
@@ -79,8 +88,9 @@ def sample(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int, 
 
 
 @torch.no_grad()
-def one_path(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int,
-             choose: Callable[[torch.Tensor], torch.Tensor]) -> list[Hypothesis]:
+def one_path(
+    model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int, choose: Callable[[torch.Tensor], torch.Tensor]
+) -> list[Hypothesis]:
     """One hypothesis per sentence, extended by `choose(log_probs) -> next tokens` (greedy, sampling)."""
     state = model.start(src)
     out: list[Hypothesis] = [Hypothesis([], 0.0)] * src.size(0)
@@ -105,15 +115,18 @@ def one_path(model, src: torch.Tensor, max_len: torch.Tensor, bos: int, eos: int
     return out
 
 
-def beam_search(model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int) -> list[list[int]]:
+def beam_search(
+    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int
+) -> list[list[int]]:
     """The best hypothesis of each sentence by log P / lp(length); beam 1 is greedy."""
     if beam == 1:
         return greedy(model, src, max_len, bos, eos)
     return [max(hyps, key=lambda h: h[0])[2] for hyps in _beam(model, src, beam, alpha, max_len, bos, eos)]
 
 
-def beam_search_nbest(model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int,
-                      nbest: int) -> list[list[Hypothesis]]:
+def beam_search_nbest(
+    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int, nbest: int
+) -> list[list[Hypothesis]]:
     """The `nbest` (<= beam) best hypotheses of each sentence, best first, ranked as beam_search ranks them."""
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest = {nbest} must be between 1 and the beam size ({beam})")
@@ -124,7 +137,9 @@ def beam_search_nbest(model, src: torch.Tensor, beam: int, alpha: float, max_len
 
 
 @torch.no_grad()
-def _beam(model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int) -> list[list[tuple]]:
+def _beam(
+    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int
+) -> list[list[tuple]]:
     """Batched beam search. Each step expands every live hypothesis, keeps the 2K best
     continuations per sentence, finishes those ending in EOS among the top K, and carries
     the K best others on. A sentence is done with K finished hypotheses or at its max

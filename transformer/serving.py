@@ -32,7 +32,8 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         for i, sentence in enumerate(sentences):
             if len(sentence.split()) > longest:
                 raise MlflowException.invalid_parameter_value(
-                    f"sentence {i}: {len(sentence.split())} words, more than the model was trained on ({longest})")
+                    f"sentence {i}: {len(sentence.split())} words, more than the model was trained on ({longest})"
+                )
         return self.translator.translate(sentences)
 
 
@@ -40,9 +41,11 @@ def _sentences(model_input: list[str]) -> list[str]:
     """The request's sentences (MLflow has checked they are strings), or a 400 saying what is wrong."""
     sentences = list(model_input)
     if not sentences:
-        raise MlflowException.invalid_parameter_value("no sentences: send {\"inputs\": [\"a sentence\", ...]}")
+        raise MlflowException.invalid_parameter_value('no sentences: send {"inputs": ["a sentence", ...]}')
     if len(sentences) > MAX_SENTENCES:
-        raise MlflowException.invalid_parameter_value(f"{len(sentences)} sentences, more than {MAX_SENTENCES} a request")
+        raise MlflowException.invalid_parameter_value(
+            f"{len(sentences)} sentences, more than {MAX_SENTENCES} a request"
+        )
     return sentences
 
 
@@ -52,9 +55,16 @@ def _options(model_path: Path, vocab_path: Path) -> dict[str, Any]:
     from importlib.metadata import version
 
     package = Path(__file__).resolve().parent
-    requirements = [f"{name}=={version(name)}" for name in ("torch", "mlflow", "sentencepiece", "spacy", "tqdm", "pandas")]
-    return {"python_model": TranslationModel(), "artifacts": {"model": str(model_path), "vocab": str(vocab_path)},
-            "input_example": EXAMPLE, "code_paths": [str(package)], "pip_requirements": requirements}
+    requirements = [
+        f"{name}=={version(name)}" for name in ("torch", "mlflow", "sentencepiece", "spacy", "tqdm", "pandas")
+    ]
+    return {
+        "python_model": TranslationModel(),
+        "artifacts": {"model": str(model_path), "vocab": str(vocab_path)},
+        "input_example": EXAMPLE,
+        "code_paths": [str(package)],
+        "pip_requirements": requirements,
+    }
 
 
 def save_model(model_path: Path, vocab_path: Path, out: Path) -> None:
@@ -71,8 +81,9 @@ def log_model(model_path: Path, vocab_path: Path, run_id: str, registered_name: 
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(name="model", registered_model_name=registered_name,
-                                       **_options(model_path, vocab_path))
+        info = mlflow.pyfunc.log_model(
+            name="model", registered_model_name=registered_name, **_options(model_path, vocab_path)
+        )
     return info.model_uri
 
 

@@ -17,12 +17,22 @@ import click
 from transformer.errors import ERRORS
 from transformer.io import write_json
 
-PARAMS = click.option("--params", "params_path", default="params.yaml", show_default=True,
-                      type=click.Path(path_type=Path), help="params file")
+PARAMS = click.option(
+    "--params",
+    "params_path",
+    default="params.yaml",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="params file",
+)
 
 
-TIMING = click.option("--timing", type=click.Path(path_type=Path), default=None,
-                      help="write this command's wall time here (JSON), for the reproduction report")
+TIMING = click.option(
+    "--timing",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="write this command's wall time here (JSON), for the reproduction report",
+)
 
 
 def process_age() -> float | None:
@@ -65,7 +75,7 @@ def stage(fn):
         carried = f" (and {earlier:.1f} s in earlier invocations, resumed)" if earlier else ""
         click.echo(f"{Path(sys.argv[0]).stem}: done in {wall:.1f} s{carried}", err=True)
         if timing and os.environ.get("RANK", "0") == "0":  # under torchrun, the first process speaks
-            finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            finished = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
             record = {"wall_s": round((process_age() or wall) + earlier, 1), "finished": finished}
             write_json(timing, record | ({"resumed_s": round(earlier, 1)} if earlier else {}))
         return result

@@ -22,7 +22,8 @@ def hardware() -> str:
         name += f", family {cpu['cpu family']} model {cpu['model']}"
     capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what CPU speed depends on most
     threads = torch.get_num_threads()
-    return f"{os.cpu_count()} CPU cores ({name}, {capability}), torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}"
+    cores = f"{os.cpu_count()} CPU cores ({name}, {capability})"
+    return f"{cores}, torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}"
 
 
 def cpuinfo() -> dict[str, str]:
@@ -48,8 +49,10 @@ def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
     c = ckpt["model_config"]
     train_time, members = ckpt.get("train_time_s"), ckpt.get("members", [])
     layers = f"N={c['N']}" + (f" (decoder {decoder_layers(c)})" if decoder_layers(c) != c["N"] else "")
-    return {"model": f"{layers}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
-            "parameters": f"{count / 1e6:.1f}M ({count:,})" + (f" × {len(members) + 1} members" if members else ""),
-            "updates": ckpt.get("step"),
-            "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",
-            "averaged": ", ".join(ckpt.get("averaged", [])) or "no"}
+    return {
+        "model": f"{layers}, d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, {c['norm']}-norm",
+        "parameters": f"{count / 1e6:.1f}M ({count:,})" + (f" × {len(members) + 1} members" if members else ""),
+        "updates": ckpt.get("step"),
+        "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",
+        "averaged": ", ".join(ckpt.get("averaged", [])) or "no",
+    }

@@ -42,7 +42,7 @@ def detokenize(tokenized: str) -> str:
     pieces = []
     for token in tokenized.split():
         if token.startswith(JOINER):
-            pieces.append(token[len(JOINER):])
+            pieces.append(token[len(JOINER) :])
         else:
             pieces.append(" " + token if pieces else token)
     return "".join(pieces)
@@ -58,7 +58,9 @@ def tokenize_corpus(
         paths = [raw_dir / f"{split}.{lang}" for lang in langs]
         src_raw, tgt_raw = (read_lines(p) for p in paths)
         if len(src_raw) != len(tgt_raw):
-            raise DataError(f"{paths[0]}: has {len(src_raw)} lines, but {paths[1]} has {len(tgt_raw)}: the corpus is misaligned")
+            raise DataError(
+                f"{paths[0]}: has {len(src_raw)} lines, but {paths[1]} has {len(tgt_raw)}: the corpus is misaligned"
+            )
         if not src_raw:
             raise DataError(f"{paths[0]}: empty file (split '{split}')")
         src = list(tokenizers[langs[0]].pipe(src_raw))
@@ -83,5 +85,8 @@ def _filter(src: list[str], tgt: list[str], max_len: int, where: Path) -> tuple[
             keep_src.append(s)
             keep_tgt.append(t)
     if not keep_src:
-        raise DataError(f"{where}: no training pair left after filtering ({dropped['empty']} empty, {dropped['long']} longer than {max_len} tokens)")
+        raise DataError(
+            f"{where}: no training pair left after filtering ({dropped['empty']} empty, "
+            f"{dropped['long']} longer than {max_len} tokens)"
+        )
     return keep_src, keep_tgt, dropped

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from transformer.errors import TrackingError
 
@@ -34,13 +35,17 @@ def check_reachable(uri: str) -> None:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
             response.read()
     except (urllib.error.URLError, OSError) as e:
-        raise TrackingError(f"MLflow tracking server {uri} ({URI_ENV}) is unreachable: {e}. "
-                            f"Start it, or unset {URI_ENV} to log to {project_root() / 'mlflow.db'}") from None
+        raise TrackingError(
+            f"MLflow tracking server {uri} ({URI_ENV}) is unreachable: {e}. "
+            f"Start it, or unset {URI_ENV} to log to {project_root() / 'mlflow.db'}"
+        ) from None
 
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=project_root(), timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=project_root(), timeout=10
+        )
     except OSError:
         return None
     return out.stdout.strip() or None
@@ -50,8 +55,9 @@ class Tracker:
     """An MLflow run. Metrics go through MLflow's asynchronous logging (its queue and threads), so the
     training loop never waits on the tracking store; end() waits for them and reports a failure."""
 
-    def __init__(self, experiment: str, run_id: str | None = None, run_name: str | None = None,
-                 parent_run_id: str | None = None):
+    def __init__(
+        self, experiment: str, run_id: str | None = None, run_name: str | None = None, parent_run_id: str | None = None
+    ):
         import mlflow
         from mlflow.tracking import MlflowClient
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -64,8 +70,10 @@ class Tracker:
             _say(f"MLflow run {run_id}, which the checkpoint names, is not in {uri}: logging to a new run")
             run_id = None
         if parent_run_id and not self.has_run(parent_run_id):
-            _say(f"MLflow run {parent_run_id}, the training's, is not in {uri}: this run is logged without it, "
-                 f"in experiment '{experiment}'")
+            _say(
+                f"MLflow run {parent_run_id}, the training's, is not in {uri}: this run is logged without it, "
+                f"in experiment '{experiment}'"
+            )
             parent_run_id = None
         if run_id is None:
             with _store_errors():
@@ -110,7 +118,9 @@ class Tracker:
 
         existing = self.client.get_run(self.run_id).data.params
         with _store_errors():
-            self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items() if k not in existing])
+            self.client.log_batch(
+                self.run_id, params=[Param(k, str(v)) for k, v in params.items() if k not in existing]
+            )
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -184,7 +194,9 @@ def _store_errors() -> Iterator[None]:
     except MlflowException as e:
         raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
     except (OSError, ConnectionError) as e:  # requests' and urllib3's errors when no server answers any more
-        raise TrackingError(f"MLflow ({tracking_uri()}): {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+        raise TrackingError(
+            f"MLflow ({tracking_uri()}): {(str(e).strip().splitlines() or [type(e).__name__])[0]}"
+        ) from None
 
 
 def _say(message: str) -> None:
@@ -202,8 +214,9 @@ def run_name(what: str) -> str:
     return f"{what} · {exp}" if exp else what
 
 
-def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = None,
-               texts: dict[str, str] | None = None) -> None:
+def log_to_run(
+    run_id: str | None, artifacts: dict[str, list[Path]] | None = None, texts: dict[str, str] | None = None
+) -> None:
     """A later stage's files into a finished run: the training's (its id from the model file) or an
     evaluation's (its id from the score stage's --evaluation file); nothing when run_id is None, as it is
     when that run was not tracked. artifacts: {directory: files}; texts: {artifact file: text}."""
@@ -211,8 +224,10 @@ def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = Non
         return
     tracker = Tracker.attach(run_id)
     if not tracker.has_run(run_id):
-        _say(f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: "
-             f"{', '.join([*(artifacts or {}), *(texts or {})])} not logged")
+        _say(
+            f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: "
+            f"{', '.join([*(artifacts or {}), *(texts or {})])} not logged"
+        )
         return
     for directory, paths in (artifacts or {}).items():
         for path in paths:
@@ -222,8 +237,16 @@ def log_to_run(run_id: str | None, artifacts: dict[str, list[Path]] | None = Non
     tracker.end()
 
 
-def log_evaluation(training_run_id: str, experiment: str, what: str, params: dict[str, Any], metrics: dict[str, float],
-                   step: int, inputs: dict[str, tuple[Path, str]], artifacts: dict[str, list[Path]]) -> str:
+def log_evaluation(
+    training_run_id: str,
+    experiment: str,
+    what: str,
+    params: dict[str, Any],
+    metrics: dict[str, float],
+    step: int,
+    inputs: dict[str, tuple[Path, str]],
+    artifacts: dict[str, list[Path]],
+) -> str:
     """One evaluation of a trained model as a run of its own, nested under the training's run (in
     `experiment` alone where the store lacks that run): the params that made it, its scores, the corpus
     files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id."""

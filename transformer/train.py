@@ -21,7 +21,7 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.attention import attention_kernels
-from transformer.batching import ParallelCorpus, TrainingSplit, token_batches, epoch_steps
+from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, flatten, training_params
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
@@ -108,8 +108,11 @@ def die_with_launcher() -> None:
     launcher = os.getppid()
     pr_set_pdeathsig = 1  # <linux/prctl.h>
     if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        print(f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker outlives a killed launcher",
-              file=sys.stderr)
+        print(
+            f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): "
+            "this worker outlives a killed launcher",
+            file=sys.stderr,
+        )
     elif os.getppid() != launcher:  # it died between the two calls
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -122,10 +125,9 @@ def keep_freed_memory(keep: bool = True) -> bool:
 
     By default glibc maps each block over its mmap threshold (at most 32 MiB) afresh and unmaps it
     when freed. A CPU update's activations and logits are such blocks, hundreds of MB of them, so
-    every update faulted its memory in anew: about 100,000 page faults an update of the default
-    model, a sixth of its CPU time, spent in the kernel. Kept, the freed blocks of one update serve
-    the next (bench/bench.py times it: rows t and u against c and e); 83 updates of the default
-    model peaked at 3.38 GB against glibc's 2.78 (2.95 released every 20 updates).
+    every update would fault its memory in anew, in the kernel. Kept, the freed blocks of one update
+    serve the next (bench/bench.py times it: rows t and u against c and e; docs/speed.md), at the
+    cost of a resident set that holds the largest update's blocks.
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
     adjustment would take it for blocks this large. True where glibc took the settings.
     Only the main arena keeps blocks of 64 MiB and more: glibc maps them afresh in its other
@@ -145,10 +147,8 @@ def keep_freed_memory(keep: bool = True) -> bool:
 
 def release_freed_memory() -> None:
     """glibc: gives the free pages of the heap back to the system (malloc_trim). Kept memory
-    fragments as batch shapes change: unreleased, a de→en R-Drop run grew from 10 to 13.6 GB over
-    8 epochs; released every RELEASE_EVERY updates, the de→en default peaked at 11.5 GB, and its
-    pages fault in again once per RELEASE_EVERY updates, not every update. Released every 20
-    updates, 80 updates of en→de R-Drop took 107.6 s against 100.3 s unreleased (AVX-512 bf16)."""
+    fragments as batch shapes change and would grow over a run; released every RELEASE_EVERY
+    updates, its pages fault in again once per RELEASE_EVERY updates, not every update."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -167,8 +167,8 @@ def _glibc():
 def use_bf16(precision: str, device: torch.device) -> bool:
     """precision auto on a CPU: bf16 where the cores have bf16 instructions and torch may use them.
     torch names AVX512 on AVX-512 cores with or without bf16, so /proc/cpuinfo decides there; with
-    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a few percent of
-    fp32's speed (`bench.py --quick`'s bf16 rows at about 2% on an AVX-512 bf16 host), so fp32."""
+    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a small fraction
+    of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
@@ -187,8 +187,14 @@ def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
     return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
 
 
-def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,
-          references: Path | None = None) -> dict[str, Any]:
+def train(
+    params: Params,
+    vocab_dir: Path,
+    out: Outputs,
+    tracker_factory=None,
+    tokenized: Path | None = None,
+    references: Path | None = None,
+) -> dict[str, Any]:
     """Trains (or resumes) to the end; rank 0 writes checkpoints, reports and tracking.
     `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0. With the raw
     reference translations of the validation split, each validation also measures greedy BLEU."""
@@ -209,16 +215,33 @@ def train(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, t
     identity = {"params": training_params(params.to_dict()), "data": data_fingerprint(vocab_dir, "train")}
     progress = _resume(out.checkpoints, identity, model, optimizer, env)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
-    loop = _Loop(params, env, model, optimizer, corpus, valid, progress, tracker, out,
-                 {"model_config": _model_config(params, src_vocab, tgt_vocab),
-                  "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()}, "identity": identity}, refs, started)
+    loop = _Loop(
+        params,
+        env,
+        model,
+        optimizer,
+        corpus,
+        valid,
+        progress,
+        tracker,
+        out,
+        {
+            "model_config": _model_config(params, src_vocab, tgt_vocab),
+            "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()},
+            "identity": identity,
+        },
+        refs,
+        started,
+    )
     try:
         summary = loop.run()
     except torch.cuda.OutOfMemoryError:
         if tracker:
             tracker.end("FAILED")
-        raise TrainingError(f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
-                            f"(now {p.max_tokens}) and raise train.accum to keep the tokens per update") from None
+        raise TrainingError(
+            f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
+            f"(now {p.max_tokens}) and raise train.accum to keep the tokens per update"
+        ) from None
     except BaseException:
         if tracker:
             tracker.end("FAILED")
@@ -243,13 +266,21 @@ def make_optimizer(model: nn.Module, weight_decay: float, device: torch.device) 
     if not weight_decay:
         return torch.optim.Adam(model.parameters(), **kwargs)
     params = list(model.parameters())
-    groups = [{"params": [w for w in params if w.dim() > 1], "weight_decay": weight_decay},
-              {"params": [w for w in params if w.dim() <= 1], "weight_decay": 0.0}]
+    groups = [
+        {"params": [w for w in params if w.dim() > 1], "weight_decay": weight_decay},
+        {"params": [w for w in params if w.dim() <= 1], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def train_members(params: Params, vocab_dir: Path, out: Outputs, tracker_factory=None, tokenized: Path | None = None,
-                  references: Path | None = None) -> list[dict[str, Any]]:
+def train_members(
+    params: Params,
+    vocab_dir: Path,
+    out: Outputs,
+    tracker_factory=None,
+    tokenized: Path | None = None,
+    references: Path | None = None,
+) -> list[dict[str, Any]]:
     """Trains (or resumes) the train.members models in turn, member k exactly as a single run with
     seed train.seed + k, where Outputs.member says. Their summaries, in member order."""
     seeds = params.train.member_seeds()
@@ -268,14 +299,18 @@ def _training_split(params: Params, vocab_dir: Path, tokenized: Path | None, voc
     if not dropout:
         return TrainingSplit(fixed)
     if tokenized is None:
-        raise TrainingError("train.bpe_dropout > 0 segments the tokenized training text afresh each epoch: "
-                            "pass its directory (stages/train.py --tokenized data/tokenized)")
+        raise TrainingError(
+            "train.bpe_dropout > 0 segments the tokenized training text afresh each epoch: "
+            "pass its directory (stages/train.py --tokenized data/tokenized)"
+        )
     d = params.data
     lines = tuple(read_lines(tokenized / f"train.{lang}") for lang in (d.src_lang, d.tgt_lang))
     for lang, side in zip((d.src_lang, d.tgt_lang), lines):
         if len(side) != len(fixed):
-            raise DataError(f"{tokenized / f'train.{lang}'}: {len(side)} lines, but {vocab_dir / 'train.pt'} holds "
-                            f"{len(fixed)} pairs: the tokenized text and the vocabulary come from different runs")
+            raise DataError(
+                f"{tokenized / f'train.{lang}'}: {len(side)} lines, but {vocab_dir / 'train.pt'} holds "
+                f"{len(fixed)} pairs: the tokenized text and the vocabulary come from different runs"
+            )
     # Each rank segments the whole split (the same ids everywhere), on its share of the node's cores.
     workers = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return TrainingSplit(fixed, vocab, lines, dropout, params.train.seed, workers)
@@ -302,7 +337,7 @@ def patience_spent(bleus: list[float], patience: int) -> bool:
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
-    # The model section's keys are make_model's argument names.
+    # The model section's keys are Transformer's keyword arguments.
     return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "pad": PAD} | dataclasses.asdict(params.model)
 
 
@@ -331,13 +366,21 @@ def _read_resume_state(ckpt_dir: Path, identity: dict) -> dict[str, Any] | None:
         if ckpt.get("identity") == identity:
             print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
             h = ckpt["history"]
-            progress = {"step": ckpt["step"], "epoch": ckpt["epoch"], "step_in_epoch": ckpt["step_in_epoch"],
-                        "train_time_s": ckpt.get("train_time_s", 0.0), "wall_s": ckpt.get("wall_s", 0.0),
-                        "steps": h["steps"], "epochs": h["epochs"],
-                        "mlflow_run_id": ckpt.get("mlflow_run_id")}
+            progress = {
+                "step": ckpt["step"],
+                "epoch": ckpt["epoch"],
+                "step_in_epoch": ckpt["step_in_epoch"],
+                "train_time_s": ckpt.get("train_time_s", 0.0),
+                "wall_s": ckpt.get("wall_s", 0.0),
+                "steps": h["steps"],
+                "epochs": h["epochs"],
+                "mlflow_run_id": ckpt.get("mlflow_run_id"),
+            }
             return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
-        print(f"{found[-1]}: not resumed, {_identity_change(ckpt.get('identity'), identity)}; starting afresh",
-              file=sys.stderr)
+        print(
+            f"{found[-1]}: not resumed, {_identity_change(ckpt.get('identity'), identity)}; starting afresh",
+            file=sys.stderr,
+        )
     for old in found:
         old.unlink()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -360,10 +403,13 @@ def _check_same_run(identity: dict, env: Dist) -> None:
         elif other["identity"]["data"] != everyone[0]["identity"]["data"]:
             problems.append(f"{where} has other token ids (vocab.pt, train.pt) than rank 0")
         if other["node"] != 0 and other["dvc"]:
-            problems.append(f"{where} runs under DVC: run DVC on node 0 only, and the stage's command itself on the others")
+            problems.append(
+                f"{where} runs under DVC: run DVC on node 0 only, and the stage's command itself on the others"
+            )
     if problems:
-        raise TrainingError("the nodes do not train the same run: " + "; ".join(problems) +
-                            " (see README, Training at scale)")
+        raise TrainingError(
+            "the nodes do not train the same run: " + "; ".join(problems) + " (see README, Training at scale)"
+        )
 
 
 def _broadcast(obj: Any, device: torch.device) -> Any:
@@ -438,18 +484,41 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
     if tracker_factory is None:
         return None
     d = params.data
-    tracker = tracker_factory(tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id,
-                              tracking.run_name("train"))
+    tracker = tracker_factory(
+        tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id, tracking.run_name("train")
+    )
     progress.mlflow_run_id = tracker.run_id
-    trained_by = {k: v for k, v in flatten(params).items() if k.split(".")[0] in TRAIN_SECTIONS}  # evaluations log the rest
+    trained_by = {
+        k: v for k, v in flatten(params).items() if k.split(".")[0] in TRAIN_SECTIONS
+    }  # evaluations log the rest
     tracker.log_params(trained_by | tracking.installed_versions())
-    tracker.set_tags({"git_commit": tracking.git_commit(), "dvc_exp_name": tracking.dvc_exp_name(),
-                      "corpus": d.corpus, "direction": f"{d.src_lang}-{d.tgt_lang}"})
+    tracker.set_tags(
+        {
+            "git_commit": tracking.git_commit(),
+            "dvc_exp_name": tracking.dvc_exp_name(),
+            "corpus": d.corpus,
+            "direction": f"{d.src_lang}-{d.tgt_lang}",
+        }
+    )
     return tracker
 
 
 class _Loop:
-    def __init__(self, params, env, model, optimizer, corpus, valid, progress, tracker, out: Outputs, meta, references, started: float):
+    def __init__(
+        self,
+        params,
+        env,
+        model,
+        optimizer,
+        corpus,
+        valid,
+        progress,
+        tracker,
+        out: Outputs,
+        meta,
+        references,
+        started: float,
+    ):
         self.params, self.p, self.env = params, params.train, env
         self.model, self.optimizer = model, optimizer
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
@@ -474,10 +543,15 @@ class _Loop:
         self.validated_at = pr.epochs[-1]["step"] if pr.epochs else -1
         while pr.epoch < p.epochs and not self._done():
             self.corpus = self._epoch_corpus()
-            batches = token_batches(self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch)
+            batches = token_batches(
+                self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch
+            )
             groups = epoch_steps(batches, 1, self.env.world * p.accum, 0)  # global; _update takes this rank's share
             if not groups:
-                raise TrainingError(f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; lower them or train.max_tokens")
+                raise TrainingError(
+                    f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; "
+                    "lower them or train.max_tokens"
+                )
             # With fixed ids every epoch has as many updates; sampled segmentations change the count a
             # little. Planning the epochs left at this epoch's length is exact for the last epoch, so a
             # cooldown still ends at the last update, and a resumed run plans as the uninterrupted one.
@@ -500,8 +574,11 @@ class _Loop:
         corpus = self.split.epoch(self.progress.epoch)
         if self.env.main:
             grown = (len(corpus.src) + len(corpus.tgt)) / max(len(self.split.fixed.src) + len(self.split.fixed.tgt), 1)
-            print(f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
-                  f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens", file=sys.stderr)
+            print(
+                f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
+                f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens",
+                file=sys.stderr,
+            )
         return corpus
 
     def _done(self) -> bool:
@@ -511,10 +588,17 @@ class _Loop:
         from tqdm import tqdm
 
         pr = self.progress
-        bar = tqdm(total=len(groups), initial=pr.step_in_epoch, desc=f"epoch {pr.epoch + 1}/{self.p.epochs}",
-                   disable=not self.env.main, file=sys.stderr, mininterval=2, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(groups),
+            initial=pr.step_in_epoch,
+            desc=f"epoch {pr.epoch + 1}/{self.p.epochs}",
+            disable=not self.env.main,
+            file=sys.stderr,
+            mininterval=2,
+            dynamic_ncols=True,
+        )
         self.tick, self.tick_tokens = time.perf_counter(), 0
-        for group in groups[pr.step_in_epoch:]:
+        for group in groups[pr.step_in_epoch :]:
             self._update(group)
             bar.update(1)
             if len(self.pending) >= LOG_EVERY:
@@ -532,9 +616,11 @@ class _Loop:
 
     def _update(self, group: list[list[int]]) -> None:
         pr, env = self.progress, self.env
-        mine = group[env.rank::env.world]
+        mine = group[env.rank :: env.world]
         total = sum(int(self.corpus.tgt_lens[b].sum()) for b in group)  # global target tokens of this update
-        lr = rate(pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup, self.planned_updates, self.p.cooldown)
+        lr = rate(
+            pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup, self.planned_updates, self.p.cooldown
+        )
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
@@ -558,8 +644,17 @@ class _Loop:
     def _loss(self, batch) -> torch.Tensor:
         """loss.batch_loss with this run's smoothing and R-Drop params."""
         p = self.p
-        return batch_loss(self.step_model, self.model, batch, PAD, p.label_smoothing, self._rdrop(), p.smoothing_zeroes_pad,
-                          p.rdrop_shared_encoder, p.rdrop_share)
+        return batch_loss(
+            self.step_model,
+            self.model,
+            batch,
+            PAD,
+            p.label_smoothing,
+            self._rdrop(),
+            p.smoothing_zeroes_pad,
+            p.rdrop_shared_encoder,
+            p.rdrop_share,
+        )
 
     def _rdrop(self) -> float:
         """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the
@@ -586,8 +681,11 @@ class _Loop:
         rows = []
         for (step, batch, _, tokens, lr), loss in zip(self.pending, losses):
             if not math.isfinite(loss):
-                raise TrainingError(f"loss is {loss} at step {step} (epoch {self.progress.epoch + 1}, update {batch + 1} of the epoch); "
-                                    f"stopped; the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup.")
+                raise TrainingError(
+                    f"loss is {loss} at step {step} (epoch {self.progress.epoch + 1}, "
+                    f"update {batch + 1} of the epoch); stopped; "
+                    f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup."
+                )
             rows.append({"step": step, "loss": loss / tokens, "lr": lr, "tokens_per_s": tokens_per_s})
         self.pending, self.tick, self.tick_tokens = [], now, 0
         if self.env.main:
@@ -615,10 +713,12 @@ class _Loop:
         as the decode stage does with beam 1, against the raw references."""
         self.model.eval()
         v, d = self.valid, self.params.decode
-        encoded = [v.src[v.src_off[i]:v.src_off[i + 1]].tolist() for i in range(len(v))]
+        encoded = [v.src[v.src_off[i] : v.src_off[i + 1]].tolist() for i in range(len(v))]
         encoded = [ids + [EOS] if ids else [] for ids in encoded]
         hyps = [""] * len(v)
-        for batch, outputs in search_batches(self.model, encoded, 1, 0.0, d.max_len_extra, d.batch_tokens, self.env.device):
+        for batch, outputs in search_batches(
+            self.model, encoded, 1, 0.0, d.max_len_extra, d.batch_tokens, self.env.device
+        ):
             for i, ids in zip(batch, outputs):
                 hyps[i] = to_text(self.tgt_vocab, ids)
         return score_lines(hyps, self.references, self.params.data.tgt_lang, ("bleu",))["bleu"]
@@ -633,14 +733,22 @@ class _Loop:
         if self.env.main:
             val_loss, val_ppl = self.validate()
             recent = [r["loss"] for r in pr.steps[-200:]]
-            row = {"epoch": epoch, "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1),
-                   "val_loss": val_loss, "val_ppl": val_ppl}
+            row = {
+                "epoch": epoch,
+                "step": pr.step,
+                "train_loss": sum(recent) / max(len(recent), 1),
+                "val_loss": val_loss,
+                "val_ppl": val_ppl,
+            }
             if self.references is not None:
                 row["val_bleu"] = self.validate_bleu()
             pr.epochs.append(row)
             bleu = f", val BLEU {row['val_bleu']:.2f}" if "val_bleu" in row else ""
-            print(f"epoch {epoch:.4g}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {val_loss:.3f}, "
-                  f"val ppl {val_ppl:.2f}{bleu}, {pr.train_time_s / 60:.1f} min", file=sys.stderr)
+            print(
+                f"epoch {epoch:.4g}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {val_loss:.3f}, "
+                f"val ppl {val_ppl:.2f}{bleu}, {pr.train_time_s / 60:.1f} min",
+                file=sys.stderr,
+            )
             if self.tracker:
                 self.tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
         self.validated_at = pr.step
@@ -657,8 +765,11 @@ class _Loop:
             dist.broadcast(flag, 0)
             stopped = bool(flag.item())
         if stopped and self.env.main:
-            print(f"val BLEU has not risen for {self.p.patience} validations "
-                  f"(best {max(_bleus(self.progress.epochs)):.2f}): stopping early", file=sys.stderr)
+            print(
+                f"val BLEU has not risen for {self.p.patience} validations "
+                f"(best {max(_bleus(self.progress.epochs)):.2f}): stopping early",
+                file=sys.stderr,
+            )
         self.stopped = stopped
 
     def _save(self) -> None:
@@ -674,16 +785,29 @@ class _Loop:
         # A finite loss was computed before the last update, which can still overflow the weights.
         broken = next((name for name, t in self.model.named_parameters() if not torch.isfinite(t).all()), None)
         if broken:
-            raise TrainingError(f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
-                                f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup.")
+            raise TrainingError(
+                f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
+                f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup."
+            )
         path = checkpoints.path_for(self.ckpt_dir, pr.step)
         self._clock()
-        checkpoints.save(path, {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "params": self.params.to_dict(),
-            "step": pr.step, "epoch": pr.epoch, "step_in_epoch": pr.step_in_epoch, "train_time_s": pr.train_time_s,
-            "wall_s": pr.wall_s, "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
-            "history": {"steps": pr.steps, "epochs": pr.epochs}, "mlflow_run_id": pr.mlflow_run_id, **self.meta,
-        })
+        checkpoints.save(
+            path,
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "params": self.params.to_dict(),
+                "step": pr.step,
+                "epoch": pr.epoch,
+                "step_in_epoch": pr.step_in_epoch,
+                "train_time_s": pr.train_time_s,
+                "wall_s": pr.wall_s,
+                "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
+                "history": {"steps": pr.steps, "epochs": pr.epochs},
+                "mlflow_run_id": pr.mlflow_run_id,
+                **self.meta,
+            },
+        )
         a = self.params.average  # with select best, its candidates stay until better ones replace them
         best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
         checkpoints.prune(self.ckpt_dir, self.p.keep, best)
@@ -698,11 +822,19 @@ class _Loop:
         last = pr.epochs[-1] if pr.epochs else {}
         recent = pr.steps[-50:]
         bleus = _bleus(pr.epochs)
-        summary = {"steps": pr.step, "epochs": last.get("epoch", 0), "val_loss": last.get("val_loss"),
-                   "val_ppl": last.get("val_ppl"), "val_bleu": last.get("val_bleu"), "best_val_bleu": max(bleus, default=None),
-                   "stopped_early": self.stopped, "train_time_s": round(pr.train_time_s, 1),
-                   "wall_s": round(pr.wall_s, 1), "resumed_s": round(self.resumed_s, 1),
-                   "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None}
+        summary = {
+            "steps": pr.step,
+            "epochs": last.get("epoch", 0),
+            "val_loss": last.get("val_loss"),
+            "val_ppl": last.get("val_ppl"),
+            "val_bleu": last.get("val_bleu"),
+            "best_val_bleu": max(bleus, default=None),
+            "stopped_early": self.stopped,
+            "train_time_s": round(pr.train_time_s, 1),
+            "wall_s": round(pr.wall_s, 1),
+            "resumed_s": round(self.resumed_s, 1),
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
+        }
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
             columns = ("epoch", "step", "train_loss", "val_loss", "val_ppl") + (("val_bleu",) if bleus else ())

@@ -61,9 +61,11 @@ class Translator:
         """Refuses a vocabulary other than the one the model was trained with."""
         for side, mine, theirs in (("source", self.src_vocab, src_vocab), ("target", self.tgt_vocab, tgt_vocab)):
             if fingerprint(mine) != fingerprint(theirs):
-                raise DataError(f"{where}: {side} vocabulary ({len(theirs)} entries, fingerprint {fingerprint(theirs)}) "
-                                f"does not match the one {self.path} was trained with ({len(mine)}, {fingerprint(mine)}); "
-                                f"rebuild the vocabulary or retrain")
+                raise DataError(
+                    f"{where}: {side} vocabulary ({len(theirs)} entries, fingerprint {fingerprint(theirs)}) "
+                    f"does not match the one {self.path} was trained with ({len(mine)}, {fingerprint(mine)}); "
+                    f"rebuild the vocabulary or retrain"
+                )
 
     @classmethod
     def load(cls, model_path: Path | str | Sequence[Path | str], device: str | None = None) -> Translator:
@@ -88,10 +90,21 @@ class Translator:
         """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""
         return [hyps[0].text for hyps in self.hypotheses(lines, **search)]
 
-    def hypotheses(self, lines: list[str], beam: int | None = None, alpha: float | None = None, nbest: int = 1,
-                   sample: bool = False, top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0,
-                   seed: int | None = None, max_len_extra: int | None = None, batch_tokens: int | None = None,
-                   progress: bool = False) -> list[list[Translation]]:
+    def hypotheses(
+        self,
+        lines: list[str],
+        beam: int | None = None,
+        alpha: float | None = None,
+        nbest: int = 1,
+        sample: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        max_len_extra: int | None = None,
+        batch_tokens: int | None = None,
+        progress: bool = False,
+    ) -> list[list[Translation]]:
         """The `nbest` best translations of each tokenized line, best first. Beam search (beam 1:
         greedy) ranks by log P / lp(length); sampling (sample=True, beam unused) draws `nbest`
         translations per line, from `seed` when given (same lines, seed and batch_tokens: same
@@ -102,21 +115,27 @@ class Translator:
         _check_search(beam, alpha, nbest, sample, top_k, top_p, temperature)
         if sample:
             generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            run = functools.partial(self._sample, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)
+            run = functools.partial(
+                self._sample, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            )
         else:
-            run = functools.partial(beam_search_nbest, self.model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest)
+            run = functools.partial(
+                beam_search_nbest, self.model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest
+            )
         rows = nbest if sample else beam  # decoder rows per sentence
         return self._decode(lines, run, rows, max_len_extra, batch_tokens or decode["batch_tokens"], progress)
 
-    def _decode(self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int,
-                progress: bool) -> list[list[Translation]]:
+    def _decode(
+        self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int, progress: bool
+    ) -> list[list[Translation]]:
         from tqdm import tqdm
 
         encoded = [self.src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]
         limits = [self._max_len(i, line, len(ids), max_len_extra) for i, (line, ids) in enumerate(zip(lines, encoded))]
         out = [[Translation("", 0.0)] for _ in lines]
-        bar = tqdm(total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1)
+        bar = tqdm(
+            total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1
+        )
         for batch, found in _searched(encoded, limits, rows, batch_tokens, self.device, run):
             for i, hyps in zip(batch, found):
                 out[i] = [Translation(to_text(self.tgt_vocab, h.tokens), h.log_prob) for h in hyps]
@@ -132,30 +151,47 @@ class Translator:
         if words <= longest:
             return length + max_len_extra
         bound = math.ceil(length * longest / words) + max_len_extra
-        warnings.warn(f"line {index + 1}: {words} tokens, longer than any source the model was trained on "
-                      f"(tokenize.max_len = {longest}); its translation stops at {bound} tokens", LongSourceWarning)
+        warnings.warn(
+            f"line {index + 1}: {words} tokens, longer than any source the model was trained on "
+            f"(tokenize.max_len = {longest}); its translation stops at {bound} tokens",
+            LongSourceWarning,
+            stacklevel=2,
+        )
         return bound
 
     def _sample(self, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
         rows = torch.arange(src.size(0), device=src.device).repeat_interleave(nbest)  # nbest draws per sentence
         drawn = draw_samples(self.model, src[rows], max_len[rows], BOS, EOS, **how)
-        return [sorted(drawn[i:i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
+        return [sorted(drawn[i : i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
 
 
-def _check_search(beam: int, alpha: float, nbest: int, sample: bool, top_k: int, top_p: float, temperature: float) -> None:
+def _check_search(
+    beam: int, alpha: float, nbest: int, sample: bool, top_k: int, top_p: float, temperature: float
+) -> None:
     """ValueError naming the argument a caller got wrong."""
-    checks = [(beam >= 1, f"beam = {beam} must be >= 1"), (alpha >= 0, f"alpha = {alpha} must be >= 0"),
-              (nbest >= 1, f"nbest = {nbest} must be >= 1"),
-              (sample or nbest <= beam, f"nbest = {nbest} exceeds the beam size ({beam})"),
-              (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: no cut)"),
-              (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1]"), (temperature > 0, f"temperature = {temperature} must be > 0")]
+    checks = [
+        (beam >= 1, f"beam = {beam} must be >= 1"),
+        (alpha >= 0, f"alpha = {alpha} must be >= 0"),
+        (nbest >= 1, f"nbest = {nbest} must be >= 1"),
+        (sample or nbest <= beam, f"nbest = {nbest} exceeds the beam size ({beam})"),
+        (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: no cut)"),
+        (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1]"),
+        (temperature > 0, f"temperature = {temperature} must be > 0"),
+    ]
     for ok, why in checks:
         if not ok:
             raise ValueError(why)
 
 
-def search_batches(model, encoded: list[list[int]], beam: int, alpha: float, max_len_extra: int, batch_tokens: int,
-                   device: torch.device) -> Iterator[tuple[list[int], list[list[int]]]]:
+def search_batches(
+    model,
+    encoded: list[list[int]],
+    beam: int,
+    alpha: float,
+    max_len_extra: int,
+    batch_tokens: int,
+    device: torch.device,
+) -> Iterator[tuple[list[int], list[list[int]]]]:
     """(sentence indices, best output ids) batch by batch, shortest sources first; each source ends in
     </s>; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
     limits = [len(ids) + max_len_extra for ids in encoded]
@@ -169,14 +205,16 @@ def to_text(tgt_vocab, ids: list[int]) -> str:
     return detokenize(tgt_vocab.decode(ids))
 
 
-def _searched(encoded: list[list[int]], limits: list[int], rows: int, batch_tokens: int, device: torch.device,
-              run) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
+def _searched(
+    encoded: list[list[int]], limits: list[int], rows: int, batch_tokens: int, device: torch.device, run
+) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
     """`run`'s hypotheses for the non-empty sources, in batches of about batch_tokens decoder tokens
     (`rows` decoder rows per sentence), shortest sources first."""
     order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
     for batch in _batches(order, encoded, max(1, batch_tokens // rows)):
-        src = torch.nn.utils.rnn.pad_sequence([torch.tensor(encoded[i]) for i in batch], batch_first=True,
-                                              padding_value=PAD).to(device)
+        src = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(encoded[i]) for i in batch], batch_first=True, padding_value=PAD
+        ).to(device)
         max_len = torch.tensor([limits[i] for i in batch], device=device)
         yield batch, run(src=src, max_len=max_len)
 
@@ -196,5 +234,8 @@ def timed_translate(translator: Translator, lines: list[str], **search) -> tuple
     start = time.perf_counter()
     out = translator.translate_tokenized(lines, **search)
     seconds = time.perf_counter() - start
-    return out, {"seconds": round(seconds, 2), "sentences_per_s": round(len(lines) / seconds, 1),
-                 "tokens_per_s": round(translator.tokens_out / seconds, 1)}
+    return out, {
+        "seconds": round(seconds, 2),
+        "sentences_per_s": round(len(lines) / seconds, 1),
+        "tokens_per_s": round(translator.tokens_out / seconds, 1),
+    }

@@ -80,10 +80,23 @@ class BpeVocab:
             lines = [lines[i] for i in sorted(random.Random(seed).sample(range(len(lines)), sample))]
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model, vocab_size=size, model_type="bpe",
-            character_coverage=1.0, normalization_rule_name="identity",  # keep text (and JOINER) reversible
-            bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece="<s>", eos_piece="</s>", pad_piece="<blank>",
-            unk_piece="<unk>", minloglevel=2, num_threads=max(1, torch.get_num_threads()), hard_vocab_limit=False,
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=size,
+            model_type="bpe",
+            character_coverage=1.0,
+            normalization_rule_name="identity",  # keep text (and JOINER) reversible
+            bos_id=BOS,
+            eos_id=EOS,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_piece="<s>",
+            eos_piece="</s>",
+            pad_piece="<blank>",
+            unk_piece="<unk>",
+            minloglevel=2,
+            num_threads=max(1, torch.get_num_threads()),
+            hard_vocab_limit=False,
         )
         proto = sentencepiece_model_pb2.ModelProto.FromString(model.getvalue())
         proto.trainer_spec.ClearField("num_threads")
@@ -137,7 +150,7 @@ class BpeDropout:
     def encode_many(self, lines: list[str], dropout: float, rng: random.Random) -> list[list[int]]:
         return [self.encode(line, dropout, rng) for line in lines]
 
-    @functools.lru_cache(maxsize=1 << 18)
+    @functools.lru_cache(maxsize=1 << 18)  # noqa: B019 (a vocabulary lives as long as its process)
     def _word(self, word: str) -> tuple[tuple[int, ...], int, tuple]:
         """A word type's fixed ids, its number of merges and its first agenda (heap-ordered)."""
         agenda: list = []
@@ -146,7 +159,9 @@ class BpeDropout:
         pieces = self._segment(word, list(agenda), 0.0, None, len(word))
         return tuple(self._ids(pieces)), len(word) - len(pieces), tuple(agenda)
 
-    def _segment(self, word: str, agenda: list, dropout: float, rng: random.Random | None, first_skip: int) -> list[str]:
+    def _segment(
+        self, word: str, agenda: list, dropout: float, rng: random.Random | None, first_skip: int
+    ) -> list[str]:
         """sentencepiece's merge loop; the pair popped `first_skip`-th is skipped, later ones with
         probability `dropout`."""
         pieces, popped, score_of, pop, push = list(word), 0, self.scores.get, heapq.heappop, heapq.heappush
@@ -211,8 +226,16 @@ def save_vocabs(out_dir: Path, src: Vocab, tgt: Vocab) -> None:
         write_lines(out_dir / "src.vocab", src.itos)
         write_lines(out_dir / "tgt.vocab", tgt.itos)
     save_torch({"src": src.state(), "tgt": tgt.state()}, out_dir / "vocab.pt")
-    write_json(out_dir / "vocab.json", {"kind": src.kind, "src_size": len(src), "tgt_size": len(tgt),
-                                        "src_fingerprint": fingerprint(src), "tgt_fingerprint": fingerprint(tgt)})
+    write_json(
+        out_dir / "vocab.json",
+        {
+            "kind": src.kind,
+            "src_size": len(src),
+            "tgt_size": len(tgt),
+            "src_fingerprint": fingerprint(src),
+            "tgt_fingerprint": fingerprint(tgt),
+        },
+    )
 
 
 def load_vocabs(vocab_dir: Path | str) -> tuple[Vocab, Vocab]:
@@ -224,7 +247,9 @@ def load_vocabs(vocab_dir: Path | str) -> tuple[Vocab, Vocab]:
         return vocab_from_state(state["src"]), vocab_from_state(state["tgt"])
     except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError, ValueError, AttributeError) as e:
         # truncated, not a vocabulary, pickled code: one line naming the file, never a traceback
-        raise DataError(f"{path}: not a vocabulary of this project ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+        raise DataError(
+            f"{path}: not a vocabulary of this project ({(str(e).splitlines() or [type(e).__name__])[0]})"
+        ) from None
 
 
 def encode_corpus(vocab: Vocab, lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,15 +268,19 @@ def sample_corpus(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """encode_corpus with BPE-dropout. Each chunk of lines has its own seed, made from `key` and the
     chunk's index, so the ids depend neither on `workers` nor on which process runs a chunk."""
-    chunks = [(lines[i:i + SAMPLE_CHUNK], dropout, _chunk_seed(key, i // SAMPLE_CHUNK))
-              for i in range(0, len(lines), SAMPLE_CHUNK)]
+    chunks = [
+        (lines[i : i + SAMPLE_CHUNK], dropout, _chunk_seed(key, i // SAMPLE_CHUNK))
+        for i in range(0, len(lines), SAMPLE_CHUNK)
+    ]
     if workers > 1 and len(chunks) > 1:
         parts = _pool(vocab.proto, workers).map(_sample_chunk, chunks, chunksize=1)
     else:
         _load_sampler(vocab.proto)
         parts = [_sample_chunk(chunk) for chunk in chunks]
     lengths = torch.tensor([0] + [n for _, chunk_lengths in parts for n in chunk_lengths])
-    ids = torch.cat([torch.zeros(0, dtype=torch.int32)] + [torch.frombuffer(a, dtype=torch.int32) for a, _ in parts if a])
+    ids = torch.cat(
+        [torch.zeros(0, dtype=torch.int32)] + [torch.frombuffer(a, dtype=torch.int32) for a, _ in parts if a]
+    )
     return ids, torch.cumsum(lengths, 0)
 
 
@@ -298,7 +327,14 @@ def _sample_chunk(chunk: tuple[list[str], float, int]) -> tuple[array, array]:
 
 
 def build_vocabs(
-    tok_dir: Path, out_dir: Path, langs: tuple[str, str], kind: str, size: int, min_freq: int, train: str, valid: str,
+    tok_dir: Path,
+    out_dir: Path,
+    langs: tuple[str, str],
+    kind: str,
+    size: int,
+    min_freq: int,
+    train: str,
+    valid: str,
     seed: int,
 ) -> dict[str, int]:
     """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays."""
@@ -313,10 +349,12 @@ def build_vocabs(
         paths = [tok_dir / f"{split}.{lang}" for lang in langs]
         src_lines, tgt_lines = (read_lines(path) for path in paths)
         if len(src_lines) != len(tgt_lines):
-            raise DataError(f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned")
+            raise DataError(
+                f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned"
+            )
         src_ids, src_off = encode_corpus(src, src_lines)
         tgt_ids, tgt_off = encode_corpus(tgt, tgt_lines)
-        save_torch({"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, out_dir / f"{split}.pt")
+        save_torch(
+            {"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, out_dir / f"{split}.pt"
+        )
     return {"src_size": len(src), "tgt_size": len(tgt)}
-
-

@@ -36,9 +36,11 @@ PAIRS ?= 4500000
 bench-scale: $(VENV)/.installed
 	python bench/scale.py --pairs $(PAIRS)
 
-# Switch recipe: make preset P=multi30k_en_de (see params/).
-preset:
-	cp params/$(P).yaml params.yaml
+# Switch recipe: make preset P=multi30k_en_de (see params/; P=multi30k_de_en is the default).
+# It builds params.yaml from the default and the preset and swaps the run records (dvc.lock,
+# metrics, plots) through params/runs/; FORCE=1 drops edits params.yaml has beyond its preset.
+preset: $(VENV)/.installed
+	python -m transformer.presets $(P) $(if $(FORCE),--force)
 
 # Re-pin the environment from the current venv (torch is pinned above, by TORCH).
 lock:

@@ -25,12 +25,13 @@ def _with(section: str, key: str, value) -> dict:
     return raw
 
 
-def test_every_shipped_params_file_loads():
-    files = [REPO / "params.yaml", *sorted((REPO / "params").glob("*.yaml"))]
-    for path in files:
-        params = load_params(path)
-        assert isinstance(params, Params), path
-        assert params.data.src_lang != params.data.tgt_lang, path
+def test_params_yaml_and_every_preset_built_from_it_load():
+    from transformer.presets import names, recipe
+
+    assert isinstance(load_params(REPO / "params.yaml"), Params)
+    for name in names(REPO):
+        params = params_from_dict(recipe(name, REPO), source=name)
+        assert params.data.src_lang != params.data.tgt_lang, name
 
 
 def test_repo_params_yaml_values_reach_the_dataclasses():

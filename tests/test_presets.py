@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import BIN, ROOT, mlflow_runs, project_copy, run, tgz, toy_pairs
+
+from transformer.presets import recipe
 
 DVC = str(BIN / "dvc")
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def _wmt14_mirror(mirror: Path) -> None:
 
 def _shrunk(preset: str) -> dict:
     """A preset with the toy sizes: everything else (corpus, direction, test sets, averaging) as shipped."""
-    params = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())
+    params = recipe(preset, ROOT)
     params["vocab"].update(size=120)
     params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
     params["train"].update(
@@ -101,7 +102,7 @@ def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, buil
     assert "sha256 not pinned" in result.stderr + result.stdout
     scores = json.loads((repo / "reports/scores.json").read_text())
     assert set(scores) == testsets
-    data = yaml.safe_load((ROOT / "params" / f"{preset}.yaml").read_text())["data"]
+    data = recipe(preset, ROOT)["data"]
     (evaluation,) = [
         r
         for r in mlflow_runs(repo, f"{data['corpus']}-{data['src_lang']}-{data['tgt_lang']}").values()

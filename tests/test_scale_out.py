@@ -45,6 +45,7 @@ from transformer.io import DataError
 from transformer.layers import FeedForward
 from transformer.loss import smoothed_cross_entropy, token_loss
 from transformer.model import check_model_config, make_model
+from transformer.presets import names, recipe
 from transformer.translate import Translator
 from transformer.vocab import PAD, BpeVocab, WordVocab
 
@@ -428,10 +429,10 @@ def test_pad_free_smoothing_is_the_annotated_transformers_label_smoothing():
 
 
 def _preset(name: str) -> dict:
-    return yaml.safe_load((ROOT / ("params.yaml" if name == "params" else f"params/{name}.yaml")).read_text())
+    return yaml.safe_load((ROOT / "params.yaml").read_text()) if name == "params" else recipe(name, ROOT)
 
 
-@pytest.mark.parametrize("name", ["params"] + sorted(p.stem for p in (ROOT / "params").glob("*.yaml")))
+@pytest.mark.parametrize("name", ["params"] + names(ROOT))
 def test_only_the_annotated_transformer_preset_uses_its_dropouts_and_pad_free_smoothing(name):
     p = _preset(name)
     m, t = p["model"], p["train"]

@@ -33,7 +33,7 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        where training runs in bf16.
     t. ours, token batches, with glibc's malloc defaults: c with the large blocks mapped and
        unmapped each update, as glibc does unless told otherwise; every other row of ours keeps
-       freed memory for reuse, as training does (transformer.train.keep_freed_memory), and the
+       freed memory for reuse, as training does (transformer.memory.keep_freed_memory), and the
        baseline's rows run with glibc's defaults, as the seed does.
     u. the same against e, in bf16.
     v. r with a shared encoder (train.rdrop_shared_encoder): the batch is encoded once and
@@ -99,12 +99,13 @@ import baseline  # noqa: E402
 from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import load_params  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
+from transformer.memory import keep_freed_memory  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search, greedy  # noqa: E402
 from transformer.system import hardware  # noqa: E402
-from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
 from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

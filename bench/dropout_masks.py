@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 from transformer.config import CHOICES  # noqa: E402
-from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
+from transformer.memory import keep_freed_memory  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
 
 WAYS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.dropout.dropout}

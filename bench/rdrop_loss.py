@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import transformer.loss  # noqa: E402
-from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
+from transformer.memory import keep_freed_memory  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
 
 WHOLE = 1 << 62  # a block larger than any batch: the loss in one piece

@@ -32,7 +32,8 @@ import dropout_masks  # noqa: E402
 
 import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
-from transformer.train import keep_freed_memory, use_bf16  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
+from transformer.memory import keep_freed_memory  # noqa: E402
 
 KINDS = {  # op name -> kind; ops not named here are "the rest"
     "aten::mm": "matmuls",

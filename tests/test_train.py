@@ -223,7 +223,8 @@ def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
 
 _FAULTS_OF_FRESH_BLOCKS = """
 import json, resource, torch
-from transformer.train import keep_freed_memory
+import transformer.train  # the process training runs in: what it maps decides where the heap can grow
+from transformer.memory import keep_freed_memory
 
 def faults_of_a_fresh_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -299,13 +300,13 @@ def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, voca
 def test_auto_precision_picks_bf16_only_where_torch_may_use_bf16_instructions(
     monkeypatch, capability, cpuinfo_bf16, bf16
 ):
-    from transformer import train
+    from transformer import distributed
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(train, "_cpu_has", lambda flag: cpuinfo_bf16 and flag == "avx512_bf16")
-    assert train.use_bf16("auto", torch.device("cpu")) is bf16
-    assert train.use_bf16("fp32", torch.device("cpu")) is False
-    assert train.use_bf16("bf16", torch.device("cpu")) is True
+    monkeypatch.setattr(distributed, "_cpu_has", lambda flag: cpuinfo_bf16 and flag == "avx512_bf16")
+    assert distributed.use_bf16("auto", torch.device("cpu")) is bf16
+    assert distributed.use_bf16("fp32", torch.device("cpu")) is False
+    assert distributed.use_bf16("bf16", torch.device("cpu")) is True
 
 
 def test_cooldown_scales_the_last_updates_down_to_nearly_zero():
@@ -542,7 +543,9 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
         newest = checkpoints.listed(out / "ckpt")[-1]
         result = run([sys.executable] + train_cmd(write_params(tmp_path, **steps, **model), vocab, out), ROOT)
         said = [line for line in result.stderr.splitlines() if "afresh" in line or "resuming" in line]
-        assert said == [f"{newest}: not resumed, {why}; starting afresh"], result.stderr[-2000:]
+        aside = max((out / "ckpt.previous").iterdir())  # the newest folder: this restart's
+        assert said == [f"{newest}: not resumed, {why}; its run moved to {aside}; starting afresh"], result.stderr
+        assert (aside / newest.name).is_file()  # set aside, not deleted
         fresh = checkpoints.load(checkpoints.listed(out / "ckpt")[-1], checkpoints.RESUME_KEYS)
         assert fresh["step"] == 2 and fresh["identity"]["params"]["model"]["d_ff"] == model.get("model.d_ff", 64)
     layers = {name.split(".")[0] + name.split(".")[2] for name in fresh["model"] if ".layers." in name}

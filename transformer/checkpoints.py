@@ -96,16 +96,20 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def restore_rng(rng: dict[str, Any], rank: int, device: torch.device) -> None:
-    """Sets this rank's generators from a checkpoint's per-rank states ({"cpu": [...], "cuda": [...]}).
+def restore_rng(rng: dict[str, Any], rank: int, device: torch.device) -> bool:
+    """Sets this rank's generators from a checkpoint's per-rank states ({"cpu": [...], "cuda": [...]});
+    False where the checkpoint was saved by fewer ranks and holds none for this one.
 
     A checkpoint from before per-rank states holds one CPU state, which every rank then takes."""
     if "cpu" not in rng:
         torch.set_rng_state(rng["torch"])
-        return
+        return True
+    if rank >= len(rng["cpu"]):
+        return False
     torch.set_rng_state(rng["cpu"][rank])
     if device.type == "cuda" and rng["cuda"] and rng["cuda"][rank] is not None:
         torch.cuda.set_rng_state(rng["cuda"][rank], device)
+    return True
 
 
 def average_state_dicts(

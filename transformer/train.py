@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
-import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +19,14 @@ from torch import nn
 from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
-from transformer.config import TRAIN_SECTIONS, Params, flatten, training_params
+from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
+from transformer.distributed import rank_seed, setup_distributed, use_bf16
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
+from transformer.memory import keep_freed_memory, release_freed_memory
 from transformer.model import make_model
+from transformer.resume import Progress, patience_spent, resume
 from transformer.schedule import rate
 from transformer.score import score_lines
 from transformer.translate import search_batches, to_text
@@ -34,17 +34,6 @@ from transformer.vocab import EOS, PAD, load_vocabs, vocab_from_state
 
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
 RELEASE_EVERY = 200  # updates between hand-backs of freed CPU memory (release_freed_memory)
-
-
-@dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -65,124 +54,6 @@ class Outputs:
         return Outputs(where, where / self.steps.name, where / self.epochs.name, where / self.summary.name)
 
 
-@dataclass
-class Progress:
-    """Everything that must survive a restart, besides weights and optimizer."""
-
-    step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-    train_time_s: float = 0.0
-    wall_s: float = 0.0  # the run's wall time up to its newest checkpoint, over every invocation
-    steps: list[dict[str, float]] = field(default_factory=list)
-    epochs: list[dict[str, float]] = field(default_factory=list)
-    mlflow_run_id: str | None = None
-
-
-def setup_distributed() -> Dist:
-    """Reads torchrun's environment; NCCL on GPUs, gloo on CPUs."""
-    die_with_launcher()
-    world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank, world, device)
-
-
-def die_with_launcher() -> None:
-    """Under torchrun on Linux: the kernel kills this worker when its launcher dies.
-
-    torchrun starts each worker in a session of its own, so a signal to the launcher's process
-    group (a killed `dvc repro` and everything it started) misses the workers, and a launcher
-    killed outright cannot stop them: they would train on, orphaned, writing into the checkpoint
-    directory a rerun resumes from. A worker killed so loses what a power loss would: the updates
-    since its last checkpoint. A launcher that dies while the worker starts up, before this call,
-    is not covered."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    launcher = os.getppid()
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        print(
-            f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): "
-            "this worker outlives a killed launcher",
-            file=sys.stderr,
-        )
-    elif os.getppid() != launcher:  # it died between the two calls
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (<malloc.h>)
-
-
-def keep_freed_memory(keep: bool = True) -> bool:
-    """glibc: serve every allocation from the heap and keep what is freed there for reuse.
-
-    By default glibc maps each block over its mmap threshold (at most 32 MiB) afresh and unmaps it
-    when freed. A CPU update's activations and logits are such blocks, hundreds of MB of them, so
-    every update would fault its memory in anew, in the kernel. Kept, the freed blocks of one update
-    serve the next (bench/bench.py times it: rows t and u against c and e; docs/speed.md), at the
-    cost of a resident set that holds the largest update's blocks.
-    `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
-    adjustment would take it for blocks this large. True where glibc took the settings.
-    Only the main arena keeps blocks of 64 MiB and more: glibc maps them afresh in its other
-    arenas (other threads', and the main thread's after an allocation failed), whatever mallopt says."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    if keep:
-        settings = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1}
-    else:
-        settings = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_THRESHOLD: 32 * 1024 * 1024}
-    applied = all(libc.mallopt(key, value) == 1 for key, value in settings.items())
-    if not keep:
-        release_freed_memory()
-    return applied
-
-
-def release_freed_memory() -> None:
-    """glibc: gives the free pages of the heap back to the system (malloc_trim). Kept memory
-    fragments as batch shapes change and would grow over a run; released every RELEASE_EVERY
-    updates, its pages fault in again once per RELEASE_EVERY updates, not every update."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc():
-    """The C library this process runs on, where it is glibc (mallopt and malloc_trim are its own); else None.
-    Looked up once: platform.libc_ver reads the interpreter's binary."""
-    import ctypes
-    import platform
-
-    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """precision auto on a CPU: bf16 where the cores have bf16 instructions and torch may use them.
-    torch names AVX512 on AVX-512 cores with or without bf16, so /proc/cpuinfo decides there; with
-    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a small fraction
-    of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
-    if precision != "auto":
-        return precision == "bf16"
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX512_BF16", "AMX") or (capability.startswith("AVX512") and _cpu_has("avx512_bf16"))
-
-
-def _cpu_has(flag: str) -> bool:
-    with contextlib.suppress(OSError):
-        return flag in Path("/proc/cpuinfo").read_text()
-    return False
-
-
 def data_fingerprint(vocab_dir: Path, train_split: str) -> str:
     return sha256_file(vocab_dir / "vocab.pt")[:16] + sha256_file(vocab_dir / f"{train_split}.pt")[:16]
 
@@ -199,11 +70,11 @@ def train(
     `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0. With the raw
     reference translations of the validation split, each validation also measures greedy BLEU."""
     started = time.perf_counter()
-    env = setup_distributed()
+    env = setup_distributed(params.train.nproc, params.train.nnodes)
     if env.device.type == "cpu":
         keep_freed_memory()
     p = params.train
-    torch.manual_seed(p.seed)
+    torch.manual_seed(p.seed)  # the same initial weights on every rank
     src_vocab, tgt_vocab = load_vocabs(vocab_dir)
     corpus = _training_split(params, vocab_dir, tokenized, src_vocab)
     valid = ParallelCorpus(vocab_dir / f"{params.data.valid}.pt")
@@ -211,9 +82,13 @@ def train(
     model = make_model(**_model_config(params, src_vocab, tgt_vocab))
     model.to(env.device)
     optimizer = make_optimizer(model, p.weight_decay, env.device)
+    if env.rank:
+        torch.manual_seed(rank_seed(p.seed, env.rank))  # dropout's masks: a stream of its own
     # Not train.members: a run trained alone resumes, or stays finished, as the first member of an ensemble.
     identity = {"params": training_params(params.to_dict()), "data": data_fingerprint(vocab_dir, "train")}
-    progress = _resume(out.checkpoints, identity, model, optimizer, env)
+    progress = resume(
+        out.checkpoints, identity, model, optimizer, env, lambda epoch: len(epoch_groups(corpus.fixed, p, epoch))
+    )
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     loop = _Loop(
         params,
@@ -329,153 +204,15 @@ def _references(path: Path | None, lines: int, patience: int, main: bool) -> lis
     return refs
 
 
-def patience_spent(bleus: list[float], patience: int) -> bool:
-    """True once the last `patience` validations all scored no higher than the best before them."""
-    if not patience or len(bleus) <= patience:
-        return False
-    return max(bleus[-patience:]) <= max(bleus[:-patience])
+def epoch_groups(corpus: ParallelCorpus, p: TrainConfig, epoch: int) -> list[list[list[int]]]:
+    """An epoch's updates, each the micro-batches (index lists) that its ranks and accumulation sum."""
+    batches = token_batches(corpus.src_lens, corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + epoch)
+    return epoch_steps(batches, 1, p.nproc * p.nnodes * p.accum, 0)
 
 
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
     # The model section's keys are Transformer's keyword arguments.
     return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "pad": PAD} | dataclasses.asdict(params.model)
-
-
-def _resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist) -> Progress:
-    """Continues from rank 0's newest checkpoint, sent to every rank: nodes other than 0 need no
-    copy of the checkpoint directory. Each rank takes back its own RNG state."""
-    if env.world > 1:
-        _check_same_run(identity, env)
-    state = _read_resume_state(ckpt_dir, identity) if env.main else None
-    if env.world > 1:
-        state = _broadcast(state, env.device)
-    if state is None:
-        return Progress()
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    checkpoints.restore_rng(state["rng"], env.rank, env.device)
-    return Progress(**state["progress"])
-
-
-def _read_resume_state(ckpt_dir: Path, identity: dict) -> dict[str, Any] | None:
-    """The newest checkpoint if it was made with the same params and data; otherwise clears the
-    directory so a stale run is never continued."""
-    found = checkpoints.listed(ckpt_dir)
-    if found:
-        ckpt = checkpoints.load(found[-1], checkpoints.RESUME_KEYS)
-        if ckpt.get("identity") == identity:
-            print(f"resuming from {found[-1]} (step {ckpt['step']}, epoch {ckpt['epoch'] + 1})", file=sys.stderr)
-            h = ckpt["history"]
-            progress = {
-                "step": ckpt["step"],
-                "epoch": ckpt["epoch"],
-                "step_in_epoch": ckpt["step_in_epoch"],
-                "train_time_s": ckpt.get("train_time_s", 0.0),
-                "wall_s": ckpt.get("wall_s", 0.0),
-                "steps": h["steps"],
-                "epochs": h["epochs"],
-                "mlflow_run_id": ckpt.get("mlflow_run_id"),
-            }
-            return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
-        print(
-            f"{found[-1]}: not resumed, {_identity_change(ckpt.get('identity'), identity)}; starting afresh",
-            file=sys.stderr,
-        )
-    for old in found:
-        old.unlink()
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    return None
-
-
-def _check_same_run(identity: dict, env: Dist) -> None:
-    """One clear error on every rank at start-up when the nodes would not train the same run: other
-    params or token ids than rank 0's, or DVC running the stage on a node other than 0 (DVC runs on
-    node 0 only, which writes every output; there it would also delete node 0's outputs on a shared disk)."""
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    mine = {"host": socket.gethostname(), "node": node, "identity": identity, "dvc": os.environ.get("DVC_STAGE")}
-    everyone: list[Any] = [None] * env.world
-    dist.all_gather_object(everyone, mine)
-    problems = []
-    for rank, other in enumerate(everyone):
-        where = f"rank {rank} (node {other['node']}, {other['host']})"
-        if other["identity"]["params"] != everyone[0]["identity"]["params"]:
-            problems.append(f"{where} has other data/tokenize/vocab/model/train params than rank 0")
-        elif other["identity"]["data"] != everyone[0]["identity"]["data"]:
-            problems.append(f"{where} has other token ids (vocab.pt, train.pt) than rank 0")
-        if other["node"] != 0 and other["dvc"]:
-            problems.append(
-                f"{where} runs under DVC: run DVC on node 0 only, and the stage's command itself on the others"
-            )
-    if problems:
-        raise TrainingError(
-            "the nodes do not train the same run: " + "; ".join(problems) + " (see README, Training at scale)"
-        )
-
-
-def _broadcast(obj: Any, device: torch.device) -> Any:
-    """Rank 0's `obj` (dicts and lists of tensors and plain values) on every rank: the structure
-    in one pickled message, then each tensor through `device` (NCCL sends GPU tensors only)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(x):
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return _Slot(len(tensors) - 1, x.shape, x.dtype)
-        return _map(x, strip)
-
-    def collect(x):
-        if isinstance(x, _Slot):
-            slots.append(x)
-        return _map(x, collect)
-
-    sender, slots = dist.get_rank() == 0, []
-    message = [strip(obj) if sender else None]
-    dist.broadcast_object_list(message, src=0)
-    collect(message[0])
-    received = []
-    for slot in sorted(slots, key=lambda s: s.index):
-        t = tensors[slot.index].to(device) if sender else torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        dist.broadcast(t, src=0)
-        received.append(None if sender else t.cpu())
-
-    def fill(x):
-        return received[x.index] if isinstance(x, _Slot) else _map(x, fill)
-
-    return obj if sender else fill(message[0])
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where a tensor sits in a broadcast structure."""
-
-    index: int
-    shape: torch.Size
-    dtype: torch.dtype
-
-
-def _map(x: Any, fn) -> Any:
-    """`fn` applied to each element of a dict, list or tuple (the same container back); other values as they are."""
-    if isinstance(x, dict):
-        return {k: fn(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(fn(v) for v in x)
-    return x
-
-
-def _identity_change(old: dict | None, new: dict) -> str:
-    """What differs between a checkpoint's run and this one: a param, the vocabulary or the data."""
-    if not old:
-        return "it records no params"
-    if old.get("data", "")[:16] != new["data"][:16]:
-        return "the vocabulary (vocab.pt) changed"
-    if old.get("data") != new["data"]:
-        return "the training data (token ids) changed"
-    for section, values in new["params"].items():
-        before = old.get("params", {}).get(section, {})
-        for key, value in values.items():
-            if before.get(key) != value:
-                return f"{section}.{key} was {before.get(key)!r}, now {value!r}"
-    return "its params differ"
 
 
 def _start_tracking(params: Params, progress: Progress, tracker_factory):
@@ -543,10 +280,7 @@ class _Loop:
         self.validated_at = pr.epochs[-1]["step"] if pr.epochs else -1
         while pr.epoch < p.epochs and not self._done():
             self.corpus = self._epoch_corpus()
-            batches = token_batches(
-                self.corpus.src_lens, self.corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + pr.epoch
-            )
-            groups = epoch_steps(batches, 1, self.env.world * p.accum, 0)  # global; _update takes this rank's share
+            groups = epoch_groups(self.corpus, p, pr.epoch)  # global; _update takes this rank's share
             if not groups:
                 raise TrainingError(
                     f"epoch {pr.epoch + 1} has fewer than train.nproc * nnodes * accum batches; "
@@ -803,6 +537,7 @@ class _Loop:
                 "train_time_s": pr.train_time_s,
                 "wall_s": pr.wall_s,
                 "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
+                "rank_seeds": [rank_seed(self.p.seed, r) for r in range(self.env.world)],
                 "history": {"steps": pr.steps, "epochs": pr.epochs},
                 "mlflow_run_id": pr.mlflow_run_id,
                 **self.meta,

@@ -1,0 +1,203 @@
+"""Every shell command in the README and docs/ names real things: Makefile targets and presets,
+DVC stages, subcommands and options, params keys, and our scripts' and CLI's options. The
+commands themselves run elsewhere in the suite (`dvc repro`, experiments, translate, serve)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from conftest import ROOT
+
+from transformer import presets
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_TOOLS = {
+    ".",
+    "source",
+    "echo",
+    "curl",
+    "git",
+    "cd",
+    "cat",
+    "ls",
+    "head",
+    "tail",
+    "export",
+    "pip",
+    "sha256sum",
+    "mkdir",
+    "cp",
+}
+PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+STAGES = set(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])
+
+
+def shell_commands(page: Path) -> list[str]:
+    """The commands of a page's ```sh blocks: continuation lines joined, comments and blank lines dropped."""
+    text = page.read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(line.strip())
+    return commands
+
+
+def simple_commands(line: str) -> list[list[str]]:
+    """A command line's simple commands (split at |, &&, ;), each without its leading
+    VAR=value assignments and its redirections."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars="|&;<>")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    parts, current, skip = [], [], False
+    for token in lexer:
+        if token in ("|", "&&", ";", "||"):
+            parts.append(current)
+            current = []
+        elif token in (">", ">>", "<", "2>"):
+            skip = True
+        elif skip:
+            skip = False
+        elif not current and re.fullmatch(r"[A-Z_]+=.*", token):
+            continue
+        else:
+            current.append(token)
+    return [p for p in parts + [current] if p]
+
+
+def _click_options(command: click.Command) -> set[str]:
+    return {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def _script_command(path: Path) -> click.Command:
+    spec = importlib.util.spec_from_file_location(f"_doc_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (command,) = {v for v in vars(module).values() if isinstance(v, click.Command)}
+    return command
+
+
+def _check_options(what: str, args: list[str], known: set[str]) -> None:
+    used = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    assert used <= known, f"{what}: no option {sorted(used - known)}"
+
+
+def _check_param(assignment: str) -> None:
+    key = assignment.split("=", 1)[0].split(":")[-1]
+    section, _, name = key.partition(".")
+    assert name in PARAMS.get(section, {}), f"no param {key}"
+
+
+def _check_python(code: str) -> None:
+    """Code that compiles and imports only what the package has."""
+    import ast
+
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "transformer":
+            module = importlib.import_module(node.module)
+            missing = [a.name for a in node.names if not hasattr(module, a.name)]
+            assert not missing, f"{node.module} has no {missing}"
+
+
+def check(argv: list[str]) -> None:
+    program = Path(argv[0]).name or argv[0]
+    if program == "make":
+        makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+        for arg in argv[1:]:
+            if arg.startswith("P="):
+                assert arg[2:] in presets.names(ROOT), f"no preset {arg[2:]}"
+            elif "=" not in arg:
+                assert re.search(rf"^{re.escape(arg)}:", makefile, flags=re.M), f"no make target {arg}"
+    elif program == "dvc":
+        from dvc.cli import DvcParserError
+        from dvc.cli.parser import get_main_parser
+
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                args = get_main_parser().parse_args(argv[1:])
+        except (SystemExit, DvcParserError):
+            pytest.fail(f"dvc does not take: {shlex.join(argv)}")
+        for assignment in getattr(args, "set_param", None) or []:
+            _check_param(assignment)
+        if args.func.__name__ in ("CmdRepro", "CmdExperimentsRun"):
+            unknown = {t.split("@")[0] for t in args.targets} - STAGES
+            assert not unknown, f"no stage {sorted(unknown)}"
+    elif program == "transformer":
+        from transformer.cli import main
+
+        assert argv[1] in main.commands, f"transformer has no command {argv[1]}"
+        _check_options(f"transformer {argv[1]}", argv[2:], _click_options(main.commands[argv[1]]))
+    elif program == "mlflow":
+        from mlflow.cli import cli
+
+        group, rest = cli, argv[1:]
+        while isinstance(group, click.Group):
+            assert rest and rest[0] in group.commands, f"mlflow has no command {shlex.join(argv[:3])}"
+            group, rest = group.commands[rest[0]], rest[1:]
+        _check_options("mlflow", rest, _click_options(group))
+    elif program in ("python", "torchrun"):
+        scripts = [a for a in argv if a.endswith(".py")]
+        if argv[1:3] == ["-m", "pytest"] or "pytest" in argv:
+            return
+        if argv[1:2] == ["-c"]:
+            _check_python(argv[2])
+            return
+        if argv[1:2] == ["-m"]:
+            assert importlib.util.find_spec(argv[2]), f"no module {argv[2]}"
+            return
+        (script,) = scripts
+        assert (ROOT / script).is_file(), f"no script {script}"
+        if script.startswith("stages/"):
+            after = argv[argv.index(script) + 1 :]
+            _check_options(script, after, _click_options(_script_command(ROOT / script)))
+    else:
+        assert program in SHELL_TOOLS, f"a command of an unknown program: {shlex.join(argv)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_shell_command_names_real_targets_stages_options_and_params(page):
+    commands = shell_commands(page)
+    for line in commands:
+        for argv in simple_commands(line):
+            try:
+                check(argv)
+            except AssertionError as e:
+                raise AssertionError(f"{page.name}: `{line}`: {e}") from None
+
+
+def test_the_checker_catches_what_it_is_for():
+    for bad in (
+        "make reprod",
+        "make preset P=multi30k_en_dee",
+        "dvc exp run -S train.warmpu=4000",
+        "dvc repro trian",
+        "dvc exp show --only-changd",
+        ".venv/bin/transformer translate --modle m.pt",
+        "python stages/train.py --vocab data/vocab --referencess x",
+        "dcv repro",
+        "python -c 'from transformer.train import no_such_helper'",
+    ):
+        with pytest.raises((AssertionError, pytest.fail.Exception)):
+            for argv in simple_commands(bad):
+                check(argv)
+
+
+def test_the_readme_is_a_front_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = readme.splitlines()
+    assert len(lines) <= 300
+    assert any("make repro" in line for line in lines[:40]) and any("make test" in line for line in lines[:40])
+    outside = readme.split("<!-- results -->")[0] + readme.split("<!-- /results -->")[1]
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", outside), "a date outside the results block"
+    assert not re.search(r"\b[0-9a-f]{7,40}\b", outside), "a commit hash outside the results block"
+    assert not re.search(r"GFLOP", outside), "a bench peak outside the results block"
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in readme, f"README links no {page.name}"

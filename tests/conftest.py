@@ -351,6 +351,7 @@ FAULTS = {
         "test_train.py::test_killed_training",
         "test_interruptions.py::test_decode_killed",
         "test_pipeline.py::test_repro_killed",
+        "test_io.py::test_a_second_run_killed",
     ],
     "9 ddp": [
         "test_interruptions.py::test_dead_ddp_worker",

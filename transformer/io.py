@@ -35,27 +35,56 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
                 os.fsync(f.fileno())
             tmp.chmod(0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
             os.replace(tmp, path)
+            _fsync(path.parent)  # the rename itself on disk
     finally:
         tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def atomic_dir(path: Path | str) -> Iterator[Path]:
-    """Like atomic_path for a directory output: built aside, swapped in whole."""
+    """Like atomic_path for a directory output: built aside, synced, swapped in whole. The previous
+    output is renamed aside first and removed last, so a kill at any point leaves it whole: in
+    place, or aside, where the next write to `path` puts it back before it begins."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
         shutil.rmtree(stale, ignore_errors=True)
+    for old in sorted(path.parent.glob(f".{path.name}.*.old")):  # killed between its two renames
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         with _naming(path, tmp):
             yield tmp
             tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes 0700; outputs get the usual mode
+            _fsync_tree(tmp)
+            old = tmp.with_suffix(".old")
             if path.exists():
-                shutil.rmtree(path)
+                os.replace(path, old)
             os.replace(tmp, path)
+            _fsync(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and directory under root on disk, so a rename never publishes unwritten data."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync(Path(directory))
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

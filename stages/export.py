@@ -44,9 +44,12 @@ def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: boo
     run_id = model.get("mlflow_run_id")
     if track and run_id:
         from transformer.serving import log_model
+        from transformer.tracking import run_in_store, store_errors
 
-        uri = log_model(model_path, vocab / "vocab.pt", run_id, p.registered_name)
-        click.echo(f"{model_path}: MLflow model {uri}, registered as '{p.registered_name}'", err=True)
+        if run_in_store(run_id, f"the MLflow model (registered name '{p.registered_name}')"):
+            with store_errors():
+                uri = log_model(model_path, vocab / "vocab.pt", run_id, p.registered_name)
+            click.echo(f"{model_path}: MLflow model {uri}, registered as '{p.registered_name}'", err=True)
 
 
 if __name__ == "__main__":

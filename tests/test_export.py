@@ -141,6 +141,42 @@ def test_export_stage_logs_and_registers_the_mlflow_model_and_promote_sets_the_a
     assert CliRunner().invoke(main, ["promote", "7", "--params", str(tmp_path / "params.yaml")]).exit_code == 1
 
 
+def test_export_stage_goes_on_without_the_mlflow_model_when_the_store_lacks_the_models_run(model_and_vocab, tmp_path):
+    model_path, vocab_path = model_and_vocab
+    checkpoints.save(tmp_path / "model.pt", checkpoints.load(model_path) | {"mlflow_run_id": "f" * 32})
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    cmd = [str(BIN / "python"), str(ROOT / "stages" / "export.py"), "--model", "model.pt"]
+    result = run(
+        cmd + ["--vocab", str(vocab_path.parent), "--out", "ct2"],
+        tmp_path,
+        env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/empty.db"},
+    )
+    assert (tmp_path / "ct2" / "model.bin").exists() and "Traceback" not in result.stderr
+    assert (
+        f"MLflow run {'f' * 32}, which the model file names, is not in sqlite:///{tmp_path}/empty.db" in result.stderr
+    )
+    assert "the MLflow model (registered name 'transformer-multi30k-de-en') not logged" in result.stderr
+
+
+def test_a_store_that_dies_under_a_failed_run_leaves_the_runs_own_error_to_be_seen(tmp_path, monkeypatch, capsys):
+    from mlflow.exceptions import MlflowException
+
+    from transformer.errors import TrackingError
+    from transformer.tracking import Tracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    tracker = Tracker("toy", run_name="train")
+
+    def dead(*args, **kwargs):
+        raise MlflowException("the server went away")
+
+    monkeypatch.setattr(tracker.client, "set_terminated", dead)
+    tracker.end("FAILED")  # inside train's failure path: said, not raised over the real error
+    assert "the server went away (while recording the run as FAILED)" in capsys.readouterr().err
+    with pytest.raises(TrackingError, match="the server went away"):
+        tracker.end()
+
+
 def test_dvc_yaml_declares_the_models_as_artifacts():
     artifacts = yaml.safe_load((ROOT / "dvc.yaml").read_text())["artifacts"]
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]

@@ -76,7 +76,7 @@ class Tracker:
             )
             parent_run_id = None
         if run_id is None:
-            with _store_errors():
+            with store_errors():
                 if parent_run_id:  # nested: in the parent's experiment, shown under it
                     experiment_id = self.client.get_run(parent_run_id).info.experiment_id
                     tags = {MLFLOW_PARENT_RUN_ID: parent_run_id}
@@ -116,8 +116,8 @@ class Tracker:
         """Params the run does not have yet (a resumed training logs them again); MLflow batches them."""
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self.run_id).data.params
-        with _store_errors():
+        with store_errors():
+            existing = self.client.get_run(self.run_id).data.params
             self.client.log_batch(
                 self.run_id, params=[Param(k, str(v)) for k, v in params.items() if k not in existing]
             )
@@ -125,7 +125,7 @@ class Tracker:
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        with _store_errors():
+        with store_errors():
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -156,20 +156,20 @@ class Tracker:
             dataset = MetaDataset(LocalArtifactDatasetSource(str(path)), name=name, digest=digest[:16])
             tags = [InputTag("mlflow.data.context", context), InputTag("sha256", digest)]
             inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
-        with _store_errors():
+        with store_errors():
             self.client.log_inputs(self.run_id, inputs)
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        with _store_errors():
+        with store_errors():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        with _store_errors():
+        with store_errors():
             self.client.log_text(self.run_id, text, artifact_file)
 
     def end(self, status: str = "FINISHED") -> None:
         """Waits for the queued metrics, then closes the run; a failed write is an error unless the
-        run failed already."""
+        run failed already: then the error that failed it is the one to see, and this one is said."""
         from mlflow.exceptions import MlflowException
 
         error = None
@@ -179,13 +179,19 @@ class Tracker:
             except MlflowException as e:
                 error = error or e
         self._pending.clear()
-        self.client.set_terminated(self.run_id, "FAILED" if error else status)
+        try:
+            with store_errors():
+                self.client.set_terminated(self.run_id, "FAILED" if error else status)
+        except TrackingError as e:
+            if status == "FINISHED":
+                raise
+            _say(f"{e} (while recording the run as {status})")
         if error is not None and status == "FINISHED":
             raise TrackingError(f"MLflow logging failed: {error}")
 
 
 @contextlib.contextmanager
-def _store_errors() -> Iterator[None]:
+def store_errors() -> Iterator[None]:
     """A tracking store that refuses a write, or a server that died: one clear error, not a traceback."""
     from mlflow.exceptions import MlflowException
 
@@ -220,21 +226,24 @@ def log_to_run(
     """A later stage's files into a finished run: the training's (its id from the model file) or an
     evaluation's (its id from the score stage's --evaluation file); nothing when run_id is None, as it is
     when that run was not tracked. artifacts: {directory: files}; texts: {artifact file: text}."""
-    if not run_id:
+    if not run_id or not run_in_store(run_id, ", ".join([*(artifacts or {}), *(texts or {})])):
         return
     tracker = Tracker.attach(run_id)
-    if not tracker.has_run(run_id):
-        _say(
-            f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: "
-            f"{', '.join([*(artifacts or {}), *(texts or {})])} not logged"
-        )
-        return
     for directory, paths in (artifacts or {}).items():
         for path in paths:
             tracker.log_artifact(path, directory)
     for artifact_file, text in (texts or {}).items():
         tracker.log_text(text, artifact_file)
     tracker.end()
+
+
+def run_in_store(run_id: str, what: str) -> bool:
+    """Whether the store holds the run a model file names; where it does not (the store deleted or
+    another one in use), says that `what` is not logged, for the stage to go on without it."""
+    if Tracker.attach(run_id).has_run(run_id):
+        return True
+    _say(f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: {what} not logged")
+    return False
 
 
 def log_evaluation(

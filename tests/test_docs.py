@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -201,3 +202,41 @@ def test_the_readme_is_a_front_page():
     assert not re.search(r"GFLOP", outside), "a bench peak outside the results block"
     for page in PAGES[1:]:
         assert f"(docs/{page.name})" in readme, f"README links no {page.name}"
+
+
+@pytest.mark.slow
+def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(tmp_path):
+    """docs/scale.md's commands for node 0 and node 1, with node0 and its port made local: two
+    directories that share no disk, node 0 under DVC, node 1 running the stage's command."""
+    import shutil
+    import subprocess
+
+    from conftest import BIN, free_port, project_copy, run, tiny_params, tool_env
+
+    lines = shell_commands(ROOT / "docs" / "scale.md")
+    port = str(free_port())
+
+    def local(prefix: str) -> tuple[dict[str, str], list[str]]:
+        (line,) = [line for line in lines if line.startswith(prefix)]
+        words = shlex.split(line.replace("node0", "127.0.0.1").replace("29500", port))
+        env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+        argv = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
+        return env, [str(BIN / argv[0]), *argv[1:]]
+
+    (tmp_path / "node0").mkdir()
+    repo = project_copy(tmp_path / "node0", tiny_params(**{"train.nnodes": 2, "train.epochs": 1}))
+    run([str(BIN / "dvc"), "repro", "build_vocab"], repo)
+    other = tmp_path / "node1"
+    for name in ("stages", "transformer", "data/vocab", "data/tokenized"):
+        shutil.copytree(repo / name, other / name)
+    shutil.copy(repo / "params.yaml", other / "params.yaml")
+    (env1, argv1), (env0, argv0) = local("PET_NODE_RANK=1"), local("PET_NODE_RANK=0")
+    node1 = subprocess.Popen(argv1, cwd=other, env=tool_env(**env1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        run(argv0, repo, env=env0, timeout=600)
+        out, _ = node1.communicate(timeout=300)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0, out.decode()[-3000:]
+    assert json.loads((repo / "reports/train/train.json").read_text())["steps"] > 0
+    assert not (other / "data/checkpoints").exists()  # rank 0 alone writes

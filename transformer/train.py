@@ -20,7 +20,7 @@ from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
-from transformer.distributed import rank_seed, setup_distributed, use_bf16
+from transformer.distributed import Dist, rank_seed, setup_distributed, use_bf16
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
@@ -90,24 +90,22 @@ def train(
         out.checkpoints, identity, model, optimizer, env, lambda epoch: len(epoch_groups(corpus.fixed, p, epoch))
     )
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
-    loop = _Loop(
-        params,
-        env,
-        model,
-        optimizer,
-        corpus,
-        valid,
-        progress,
-        tracker,
-        out,
-        {
+    setup = Setup(
+        params=params,
+        env=env,
+        model=model,
+        optimizer=optimizer,
+        split=corpus,
+        valid=valid,
+        references=refs,
+        out=out,
+        meta={
             "model_config": _model_config(params, src_vocab, tgt_vocab),
             "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()},
             "identity": identity,
         },
-        refs,
-        started,
     )
+    loop = _Loop(setup, progress, tracker, started)
     try:
         summary = loop.run()
     except torch.cuda.OutOfMemoryError:
@@ -240,38 +238,43 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
     return tracker
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What train() prepares for the loop: the run's params, processes, model and data."""
+
+    params: Params
+    env: Dist
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    split: TrainingSplit  # the training pairs, re-segmented each epoch under BPE-dropout
+    valid: ParallelCorpus
+    references: list[str] | None  # the validation split's raw references (rank 0's), for val BLEU
+    out: Outputs
+    meta: dict[str, Any]  # what every checkpoint carries besides the run's state
+
+
 class _Loop:
-    def __init__(
-        self,
-        params,
-        env,
-        model,
-        optimizer,
-        corpus,
-        valid,
-        progress,
-        tracker,
-        out: Outputs,
-        meta,
-        references,
-        started: float,
-    ):
-        self.params, self.p, self.env = params, params.train, env
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, setup: Setup, progress: Progress, tracker, started: float):
+        self.params, self.p, self.env = setup.params, setup.params.train, setup.env
+        self.model, self.optimizer = setup.model, setup.optimizer
         # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
-        ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if env.world > 1 else model
+        ddp = (
+            nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+            if self.env.world > 1
+            else self.model
+        )
         self.step_model = torch.compile(ddp) if self.p.compile else ddp
-        self.split, self.valid, self.progress, self.tracker = corpus, valid, progress, tracker
-        self.corpus = corpus.fixed  # the current epoch's pairs
-        self.out, self.ckpt_dir, self.meta = out, out.checkpoints, meta
-        self.bf16 = use_bf16(self.p.precision, env.device)
+        self.split, self.valid, self.progress, self.tracker = setup.split, setup.valid, progress, tracker
+        self.corpus = setup.split.fixed  # the current epoch's pairs
+        self.out, self.ckpt_dir, self.meta = setup.out, setup.out.checkpoints, setup.meta
+        self.bf16 = use_bf16(self.p.precision, self.env.device)
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
-        self.references, self.stopped = references, False
+        self.references, self.stopped = setup.references, False
         # The run's wall time: the earlier invocations' (as the checkpoint resumed from holds it) and this one's.
         self.resumed_s, self.started = progress.wall_s, started
-        self.tgt_vocab = vocab_from_state(meta["vocab"]["tgt"])
+        self.tgt_vocab = vocab_from_state(self.meta["vocab"]["tgt"])
 
     def run(self) -> dict[str, Any]:
         pr, p = self.progress, self.p

@@ -319,6 +319,8 @@ FAULTS = {
         "test_download.py::test_file_missing_from_mirror",
         "test_download.py::test_archive_with_",
         "test_download.py::test_failure_keeps",
+        "test_download.py::test_a_network_error",
+        "test_download.py::test_a_redirect_from_https",
         "test_pipeline.py::test_download_stage",
         "test_scale_out.py::test_gzip_bomb",
         "test_scale_out.py::test_archive_member_beyond",
@@ -362,7 +364,7 @@ FAULTS = {
     ],
     "10 command line": ["test_faults_cli.py::"],
 }
-_fault_results: dict[str, list[bool]] = {}
+_fault_results: dict[str, dict[str, str]] = {}  # category -> {test: outcome}
 
 
 def _fault_category(nodeid: str) -> str | None:
@@ -371,9 +373,18 @@ def _fault_category(nodeid: str) -> str | None:
 
 
 def pytest_runtest_logreport(report):
+    """One outcome per test: its call's, or its setup's where that failed or skipped it (a failed
+    teardown fails it too)."""
     category = _fault_category(report.nodeid)
-    if category and (report.when == "call" or report.failed):
-        _fault_results.setdefault(category, []).append(report.passed)
+    if category and (report.when == "call" or not report.passed):
+        outcomes = _fault_results.setdefault(category, {})
+        if report.failed or report.nodeid not in outcomes:
+            outcomes[report.nodeid] = report.outcome
+
+
+def fault_summary(outcomes: dict[str, str]) -> str:
+    counts = {k: list(outcomes.values()).count(k) for k in ("passed", "failed", "skipped")}
+    return ", ".join(f"{n} {k}" for k, n in counts.items() if n or k != "skipped")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -381,9 +392,8 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("fault and bad-input suite")
     for category in FAULTS:
-        results = _fault_results.get(category, [])
-        if results:
-            terminalreporter.write_line(f"{category}: {sum(results)} passed, {len(results) - sum(results)} failed")
+        if _fault_results.get(category):
+            terminalreporter.write_line(f"{category}: {fault_summary(_fault_results[category])}")
 
 
 def write_params(directory: Path, **overrides) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from transformer import checkpoints
 from transformer.checkpoints import average_checkpoints, average_state_dicts, load, save
@@ -176,21 +177,36 @@ def test_file_that_is_not_a_dict_is_refused(tmp_path):
         load(tmp_path / "m.pt")
 
 
-def test_failed_save_keeps_the_previous_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
+_WRITE_PAST_THE_LIMIT = """
+import resource, signal, sys, torch
+from transformer.checkpoints import save
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+try:
+    save(sys.argv[1], {"model": {"w": torch.zeros(256, 256)}, "params": {}, "step": 2})
+except OSError as e:
+    print(f"OSError {e.errno}: {e}")
+"""
+
+
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temp_file(tmp_path):
+    """A real failed write (the file size limit, which fails writes as a full disk does), through
+    torch's own writer: the previous checkpoint stays, no temporary file is left, and the error
+    names the checkpoint."""
+    import errno
+    import subprocess
+    import sys
+
     path = tmp_path / "ckpt_00000001.pt"
     save(path, _checkpoint(1.0, 1))
     before = path.read_bytes()
-
-    def disk_full(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 half a checkpoint")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        save(path, _checkpoint(2.0, 1))
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_PAST_THE_LIMIT, str(path)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.stdout.startswith(f"OSError {errno.EFBIG}:") and str(path) in done.stdout, done.stdout + done.stderr
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
-    monkeypatch.undo()
     assert load(path)["model"]["w"][0, 0].item() == 1.0
 
 
@@ -248,3 +264,27 @@ def test_average_best_with_too_few_scored_checkpoints_says_so(tmp_path):
         save(checkpoints.path_for(tmp_path, step), _with_history(1.0, step, bleus))
     with pytest.raises(DataError, match="needs 3 checkpoints with a val BLEU, found 2"):
         average_checkpoints(tmp_path, 3, "best")
+
+
+def test_the_fault_summary_counts_each_test_once_with_skips_apart_from_failures(monkeypatch):
+    from types import SimpleNamespace
+
+    import conftest
+
+    monkeypatch.setitem(conftest.FAULTS, "0 summary", ["test_fake.py::"])
+
+    def report(nodeid, when, outcome):
+        return SimpleNamespace(
+            nodeid=nodeid, when=when, outcome=outcome, passed=outcome == "passed", failed=outcome == "failed"
+        )
+
+    for r in (
+        report("tests/test_fake.py::test_a", "setup", "skipped"),  # skipped at setup: counted
+        report("tests/test_fake.py::test_b", "setup", "passed"),
+        report("tests/test_fake.py::test_b", "call", "skipped"),  # skipped mid-body: not a failure
+        report("tests/test_fake.py::test_c", "call", "passed"),
+        report("tests/test_fake.py::test_c", "teardown", "failed"),  # a failed teardown fails it
+    ):
+        conftest.pytest_runtest_logreport(r)
+    outcomes = conftest._fault_results.pop("0 summary")
+    assert conftest.fault_summary(outcomes) == "0 passed, 1 failed, 2 skipped"

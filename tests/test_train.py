@@ -702,7 +702,9 @@ def test_eval_every_validates_and_checkpoints_between_epoch_ends_too(tmp_path, v
     between = [s for s in range(4, 2 * per_epoch, 4) if s != per_epoch]
     assert sorted(int(r["step"]) for r in rows) == sorted(between + [per_epoch, 2 * per_epoch])  # no epoch end twice
     assert all(r["epoch"] == pytest.approx(r["step"] / per_epoch, rel=1e-5) for r in rows)  # the TSV keeps 6 digits
-    assert all(r["val_bleu"] >= 0 for r in rows)
+    summary = json.loads((tmp_path / "reports" / "train.json").read_text())
+    assert all(0 <= r["val_bleu"] <= 100 for r in rows) and rows[-1]["val_bleu"] == summary["val_bleu"]
+    assert summary["best_val_bleu"] == max(r["val_bleu"] for r in rows)  # mid-epoch validations count too
     assert [checkpoints.step_of(p) for p in checkpoints.listed(tmp_path / "ckpt")] == sorted(
         int(r["step"]) for r in rows
     )

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import html
+import http.client
 import io
 import os
 import re
 import sys
 import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 import zlib
 from pathlib import Path
@@ -105,19 +108,19 @@ def _fetch(source: dict[str, Any], corpus: str, mirror: str | None, cache: Path,
     if key in fetched:
         return fetched[key]
     if "path" in source:
-        local = Path(source["path"])
+        local = where = Path(source["path"])
         if not local.exists():
             raise DataError(f"{local}: corpus file not found")
     elif mirror:
-        local = Path(mirror) / corpus / _basename(source["url"])
+        local = where = Path(mirror) / corpus / _basename(key)
         if not local.exists():
             raise DataError(
                 f"{local}: not in the mirror ({MIRROR_ENV}={mirror}); expected <mirror>/{corpus}/{local.name}"
             )
-    else:
-        local = cache / _basename(source["url"])
-        _http_get(source["url"], local)
-    _verify(local, source["sha256"])
+    else:  # a folder per url: two urls may end in one file name
+        where, local = key, cache / hashlib.sha256(key.encode()).hexdigest()[:16] / _basename(key)
+        _http_get(key, local)
+    _verify(local, source["sha256"], where)
     fetched[key] = local
     return local
 
@@ -129,23 +132,42 @@ def _basename(url: str) -> str:
 def _http_get(url: str, dest: Path) -> None:
     from tqdm import tqdm
 
+    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(dest, "wb") as f:
+        with urllib.request.build_opener(_NoDowngrade(url)).open(url, timeout=60) as response, open(dest, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, file=sys.stderr) as bar:
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     bar.update(len(chunk))
-    except OSError as e:
-        raise DataError(f"{url}: download failed ({e}); offline? set {MIRROR_ENV} to a local mirror") from None
+            if total and f.tell() != total:  # read in chunks, http.client ends a short body without a word
+                raise ConnectionError(f"the connection closed after {f.tell():,} of {total:,} bytes")
+    except (OSError, http.client.HTTPException) as e:  # repr: one line, and it names the kind of failure
+        raise DataError(f"{url}: download failed ({e!r}); retry, or set {MIRROR_ENV} to a local mirror") from None
 
 
-def _verify(path: Path, expected: str | None) -> None:
+class _NoDowngrade(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, except from https to plain http, where the bytes would no longer be authenticated."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(req.full_url).scheme == "https" and urllib.parse.urlsplit(newurl).scheme != "https":
+            fp.close()
+            raise DataError(
+                f"{self.url}: redirected from https to {newurl}; refused, a download never drops to plain http "
+                f"(register a url that stays on https, or set {MIRROR_ENV} to a local mirror)"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _verify(path: Path, expected: str | None, where: Path | str) -> None:
     actual = sha256_file(path)
     if expected is None:
-        print(f"warning: {path.name}: sha256 not pinned in the registry; it is {actual}", file=sys.stderr)
+        print(f"warning: {where}: sha256 not pinned in the registry; it is {actual}", file=sys.stderr)
     elif actual != expected:
-        raise DataError(f"{path}: checksum mismatch: sha256 is {actual}, the registry expects {expected}")
+        raise DataError(f"{where}: checksum mismatch: sha256 is {actual}, the registry expects {expected}")
 
 
 def _read_source(path: Path, source: dict[str, Any]) -> list[str]:

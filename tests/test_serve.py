@@ -1,10 +1,12 @@
 """The MLflow pyfunc model: logged and registered from the training's run, and served over HTTP by
-`mlflow models serve` with the same translations as `transformer translate`; bad requests get a 400."""
+`mlflow models serve` with the same translations as `transformer translate`; a bad request gets the
+status and message docs/using-a-model.md names, and a slow one is stopped at the request timeout."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,21 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import BIN, ROOT, free_port, run, stop_group, tool_env, wait_for_http
+from test_translate import never_ending
 
 from transformer import checkpoints
 from transformer.config import load_params
 from transformer.model import make_model
-from transformer.vocab import PAD, WordVocab, save_vocabs
+from transformer.vocab import PAD, BpeVocab, WordVocab, save_vocabs
 
 SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
 SENTENCES = ["ein Hund läuft.", "eine Frau liest ein Buch"]
 
 
-@pytest.fixture(scope="module")
-def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny untrained model file and the vocab.pt it was built with."""
-    src, tgt = WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
+def _save_model(directory: Path, src, tgt, weights=lambda w: w, **decode) -> tuple[Path, Path]:
+    """A tiny untrained model file, `weights` applied to its weights and `decode` to its decode params
+    (beam 2 unless said), and the vocab.pt it was built with."""
     config = {
         "src_vocab": len(src),
         "tgt_vocab": len(tgt),
@@ -40,20 +42,39 @@ def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
         "pad": PAD,
     }
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("served")
     save_vocabs(directory / "vocab", src, tgt)
+    params = load_params(ROOT / "params.yaml").to_dict()
     checkpoints.save(
         directory / "model.pt",
         {
-            "model": make_model(**config).state_dict(),
+            "model": weights(make_model(**config).state_dict()),
             "model_config": config,
-            "params": load_params(ROOT / "params.yaml").to_dict()
-            | {"decode": load_params(ROOT / "params.yaml").to_dict()["decode"] | {"beam": 2}},
+            "params": params | {"decode": params["decode"] | {"beam": 2} | decode},
             "vocab": {"src": src.state(), "tgt": tgt.state()},
             "step": 1,
         },
     )
     return directory / "model.pt", directory / "vocab" / "vocab.pt"
+
+
+@pytest.fixture(scope="module")
+def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
+    src, tgt = WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
+    return _save_model(tmp_path_factory.mktemp("served"), src, tgt)
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory) -> tuple[Path, Path]:
+    """A model file and its pyfunc model, on one BPE vocabulary for both sides as the pipeline's, whose
+    translations end only at the length bound (source + 2), one sentence a batch: SLOW takes far longer
+    than the timeouts below."""
+    from transformer.serving import save_model
+
+    bpe = BpeVocab.train(SRC_LINES + TGT_LINES, size=40, seed=0)  # 40 pieces: "Hund" is ▁ H u n d
+    directory = tmp_path_factory.mktemp("slow")
+    model, vocab = _save_model(directory, bpe, bpe, never_ending, max_len_extra=2, batch_tokens=2)
+    save_model(model, vocab, directory / "pyfunc")
+    return model, directory / "pyfunc"
 
 
 @pytest.fixture(scope="module")
@@ -88,69 +109,105 @@ def test_pyfunc_model_refuses_a_vocabulary_other_than_the_models(model_and_vocab
         mlflow.pyfunc.load_model(str(tmp_path / "model"))
 
 
-def _post(port: int, body: bytes) -> tuple[int, dict]:
+LONG_WORD = "Hund" * 25_000  # 100,000 characters, one word: 100,001 pieces
+SLOW = [" ".join(["Hund"] * 10)] * 1000  # MAX_SENTENCES of 50 tokens, 53 decoding steps each
+
+
+def _refusal(loaded, sentences: list[str]) -> tuple[int, str]:
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException) as e:
+        loaded.predict(sentences)
+    return e.value.get_http_status_code(), e.value.message
+
+
+def test_pyfunc_model_counts_a_sentences_length_in_the_models_tokens(slow_model):
+    import mlflow
+
+    loaded = mlflow.pyfunc.load_model(str(slow_model[1]))
+    assert _refusal(loaded, ["ein Kind", LONG_WORD]) == (
+        400,
+        "inputs[1]: 100001 tokens, more than the model takes (tokenize.max_len = 100)",
+    )
+
+
+def test_pyfunc_model_stops_translating_at_the_request_timeout(slow_model, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", "1")
+    loaded = mlflow.pyfunc.load_model(str(slow_model[1]))
+    assert _refusal(loaded, SLOW) == (504, "translation stopped after 1 s (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)")
+
+
+def _post(port: int, body: str) -> tuple[int, str]:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{port}/invocations", data=body.encode(), headers={"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
+            return response.status, response.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, e.read().decode()
+
+
+def _message(answer: str) -> str:
+    """An error answer's text: MLflow's JSON error's `message`, or the plain text of its timeout's 504."""
+    try:
+        return json.loads(answer)["message"]
+    except json.JSONDecodeError:
+        return answer
+
+
+def _served(port: int, model: Path, timeout: int, log, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            *(str(BIN / "mlflow"), "models", "serve", "-m", str(model), "--env-manager", "local"),
+            *("--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--timeout", str(timeout)),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=tool_env(MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db"),
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
-def test_served_model_answers_with_the_clis_translations_and_400_for_bad_requests(
-    pyfunc_dir, model_and_vocab, tmp_path
+def test_served_model_answers_as_the_cli_and_each_bad_request_with_the_documented_status_and_message(
+    slow_model, tmp_path
 ):
-    port = free_port()
-    env = tool_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    server = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "models",
-            "serve",
-            "-m",
-            str(pyfunc_dir),
-            "--env-manager",
-            "local",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        server = _served(port, slow_model[1], timeout=5, log=log, cwd=tmp_path)
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/ping", server, lambda: server.stdout.read())
-        status, body = _post(port, json.dumps({"inputs": SENTENCES}).encode())
+        wait_for_http(f"http://127.0.0.1:{port}/ping", server, log_path.read_text)
+        status, answer = _post(port, json.dumps({"inputs": SENTENCES}))
         cli = run(
-            [str(BIN / "transformer"), "translate", "--model", str(model_and_vocab[0])],
+            [str(BIN / "transformer"), "translate", "--model", str(slow_model[0])],
             tmp_path,
             input_text="\n".join(SENTENCES) + "\n",
         )
-        assert status == 200, body
-        assert body["predictions"] == cli.stdout.splitlines()
-        for bad, why in (
-            (json.dumps({"inputs": []}), "no sentences"),
-            (json.dumps({"inputs": [3, 4]}), "Expected type str"),
-            (json.dumps({"inputs": [" ".join(["Hund"] * 500)]}), "more than the model was trained on"),
-            (json.dumps({"inputs": ["Hund"] * 1001}), "more than 1000"),
-            ("{not json", ""),
+        assert status == 200, answer
+        assert json.loads(answer)["predictions"] == cli.stdout.splitlines()
+        for bad, expected in (
+            ("{not json", (400, "Ensure that input is a valid JSON formatted string")),
+            (json.dumps({"inputs": []}), (400, 'no sentences: send {"inputs": ["a sentence", ...]}')),
+            (json.dumps({"inputs": [3, 4]}), (400, "Expected type str, but got int")),
+            (json.dumps({"inputs": ["Hund"] * 1001}), (400, "1001 sentences, more than 1000 a request")),
+            (json.dumps({"inputs": ["a" * 1_000_001]}), (400, "1000001 characters, more than 1000000 a request")),
+            (
+                json.dumps({"inputs": [LONG_WORD]}),
+                (400, "inputs[0]: 100001 tokens, more than the model takes (tokenize.max_len = 100)"),
+            ),
+            (json.dumps({"inputs": SLOW}), (504, "Request processing time exceeded limit")),
         ):
-            status, body = _post(port, bad.encode())
-            assert 400 <= status < 500, (bad[:40], status, body)
-            assert why in body.get("message", ""), body
-        assert _post(port, json.dumps({"inputs": SENTENCES[:1]}).encode()) == (200, {"predictions": body_first(cli)})
+            status, answer = _post(port, bad)
+            assert status == expected[0] and expected[1] in _message(answer), (bad[:40], status, answer[:500])
+        stopped, waited = "translation stopped after 5 s (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)", time.monotonic()
+        while stopped not in log_path.read_text() and time.monotonic() < waited + 30:
+            time.sleep(0.2)
+        assert stopped in log_path.read_text(), "the worker went on translating after its 504"
+        status, answer = _post(port, json.dumps({"inputs": SENTENCES[:1]}))  # still up, and free again
+        assert (status, json.loads(answer)) == (200, {"predictions": cli.stdout.splitlines()[:1]})
     finally:
         stop_group(server)
-
-
-def body_first(cli: subprocess.CompletedProcess) -> list[str]:
-    return cli.stdout.splitlines()[:1]  # the server is still up after bad requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from transformer.config import load_params
 from transformer.io import DataError
 from transformer.model import make_model
 from transformer.translate import Translator, timed_translate
-from transformer.vocab import BOS, EOS, PAD, WordVocab
+from transformer.vocab import BOS, EOS, PAD, SPECIALS, WordVocab
 
 SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
@@ -69,6 +70,30 @@ def translator(model_file) -> Translator:
     return Translator(model_file, device="cpu")
 
 
+def never_ending(weights: dict) -> dict:
+    """Untrained weights changed so that the model never chooses a special token (</s> among them), and
+    only the length bound ends a translation. The decoder's last LayerNorm gets a bias of 1, so its
+    zero-mean output sums to d_model; each special's output row is -1 everywhere: its logit is -d_model,
+    far below any other token's (some units)."""
+    weights["decoder.norm.bias"] = torch.ones_like(weights["decoder.norm.bias"])
+    weights["generator.weight"][: len(SPECIALS)] = -1.0
+    return weights
+
+
+@pytest.fixture(scope="module")
+def never_ending_file(model_file, tmp_path_factory) -> Path:
+    ckpt = checkpoints.load(model_file)
+    ckpt["model"] = never_ending(ckpt["model"])
+    path = tmp_path_factory.mktemp("never_ending") / "model.pt"
+    checkpoints.save(path, ckpt)
+    return path
+
+
+@pytest.fixture(scope="module")
+def never_ending_translator(never_ending_file) -> Translator:
+    return Translator(never_ending_file, device="cpu")
+
+
 def test_translator_rebuilds_the_saved_model(translator, model_file):
     saved = checkpoints.load(model_file)["model"]
     for key, value in translator.model.state_dict().items():
@@ -92,9 +117,13 @@ def test_empty_input_line_gives_an_empty_output_line(translator):
     assert out[0] == translator.translate_tokenized(["ein Hund"], **_search(beam=2, max_len_extra=3))[0]
 
 
-def test_output_is_at_most_source_length_plus_extra(translator):
-    out = translator.translate_tokenized(["ein Hund"], **_search(beam=2, max_len_extra=1))
-    assert len(out[0].split()) <= 2 + 1 + 1  # two words and </s>, plus one
+@pytest.mark.parametrize("beam", [1, 2])
+@pytest.mark.parametrize("extra", [0, 1, 7])
+def test_a_translation_that_never_ends_stops_at_source_length_plus_extra(never_ending_translator, beam, extra):
+    out = never_ending_translator.translate_tokenized(
+        ["ein Hund", "eine Frau liest"], **_search(beam=beam, max_len_extra=extra)
+    )
+    assert [len(line.split()) for line in out] == [2 + 1 + extra, 3 + 1 + extra]  # its words and </s>, plus extra
 
 
 def test_outputs_contain_only_target_words(translator):
@@ -111,10 +140,49 @@ def test_raw_text_is_tokenized_with_the_source_language(translator):
     assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], **_search(beam=2, max_len_extra=3))
 
 
-def test_timed_translate_reports_speed(translator):
-    out, speed = timed_translate(translator, SRC_LINES, **_search(beam=2, max_len_extra=2))
-    assert len(out) == len(SRC_LINES)
-    assert speed["seconds"] >= 0 and speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
+def test_timed_translate_reports_the_time_it_took_and_the_rates(never_ending_translator):
+    lines = SRC_LINES * 4
+    start = time.perf_counter()
+    out, speed = timed_translate(never_ending_translator, lines, **_search(max_len_extra=50, batch_tokens=8))
+    wall = time.perf_counter() - start
+    tokens = sum(len(line.split()) + 1 for line in out)  # each translation's tokens and its </s>
+    assert len(out) == len(lines) and wall > 0.1  # one sentence a batch: long enough for 0.01 s to tell
+    assert speed["seconds"] == pytest.approx(wall, abs=0.01)
+    assert speed["sentences_per_s"] == pytest.approx(len(lines) / wall, rel=0.05)
+    assert speed["tokens_per_s"] == pytest.approx(tokens / wall, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "argument",
+    [
+        {"beam": 0},
+        {"alpha": -1.0},
+        {"nbest": 0},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"temperature": 0.0},
+        {"max_len_extra": -1},
+        {"batch_tokens": 0},
+    ],
+)
+def test_out_of_range_search_arguments_are_value_errors_naming_them(translator, argument):
+    ((name, value),) = argument.items()
+    with pytest.raises(ValueError, match=f"^{name} = {value} must be"):
+        translator.translate(["ein Hund"], **argument)
+
+
+def test_a_timeout_stops_decoding_at_its_first_step_after_it(never_ending_translator, monkeypatch):
+    steps, step = [], never_ending_translator.model.step
+
+    def slow_step(*args):
+        time.sleep(0.05)
+        steps.append(args)
+        return step(*args)
+
+    monkeypatch.setattr(never_ending_translator.model, "step", slow_step)
+    with pytest.raises(TimeoutError, match="translation stopped after 0.2 s"):
+        never_ending_translator.translate(["ein Hund"], beam=1, max_len_extra=50, timeout=0.2)
+    assert len(steps) <= 5  # 0.2 s of 0.05 s steps, where the translation takes 2 + 1 + 50
 
 
 def test_same_vocabulary_passes_the_check(translator, tmp_path):
@@ -270,16 +338,16 @@ def test_cli_model_given_twice_translates_as_an_ensemble(model_file, tmp_path):
     )
 
 
-def test_cli_long_source_is_bounded_and_warned_about(model_file):
+def test_cli_long_source_is_bounded_and_warned_about(model_file, never_ending_file):
     params = checkpoints.load(model_file)["params"]
     longest, extra = params["tokenize"]["max_len"], params["decode"]["max_len_extra"]
-    result = _cli(model_file, input="ein Hund\n" + " ".join(["Hund"] * (4 * longest)) + "\n")
+    result = _cli(never_ending_file, input="ein Hund\n" + " ".join(["Hund"] * (4 * longest)) + "\n")
     assert result.exit_code == 0, result.output
     assert len(result.stdout.splitlines()) == 2
     warning = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warning) == 1 and "line 2" in warning[0] and f"tokenize.max_len = {longest}" in warning[0]
-    # bounded as its first tokenize.max_len tokens would be: at most that + max_len_extra + </s> ...
-    assert len(result.stdout.splitlines()[1].split()) <= longest + 1 + extra
+    # a translation that never ends stops as its first tokenize.max_len tokens' would: those, </s> and extra ...
+    assert len(result.stdout.splitlines()[1].split()) == longest + 1 + extra
     # ... where a source of the training's longest length runs unbounded and unwarned
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -4,13 +4,18 @@ this package's code; it decodes with the model's own decode params."""
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
 
-MAX_SENTENCES = 1000  # per request: more is a batch job (transformer translate), not a request
+# What one request may cost. MLflow reads the body whole before predict sees it (it has no cap on its
+# size: put one in a proxy in front), so these bound what is done with it; time is MLflow's --timeout.
+MAX_SENTENCES = 1000  # more is a batch job (transformer translate), not a request
+MAX_CHARACTERS = 1_000_000  # of all sentences together, counted before the tokenizer reads them
 EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
 
@@ -26,15 +31,27 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
 
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
-        """MLflow reads the signature from these type hints and refuses other input with a 400."""
-        sentences = _sentences(model_input)
+        """MLflow reads the signature from these type hints and refuses other input with a 400. Decoding
+        stops MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT seconds after predict began: the server has
+        answered 504 by then, and without this the worker would go on translating for no one."""
+        from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
+        from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED
+
+        started, limit = time.monotonic(), MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get()
+        tokenized = self.translator.tokenize(_sentences(model_input))
         longest = self.translator.params["tokenize"]["max_len"]
-        for i, sentence in enumerate(sentences):
-            if len(sentence.split()) > longest:
+        for i, line in enumerate(tokenized):
+            tokens = len(self.translator.src_vocab.encode(line))  # as decoding sees them, less </s>
+            if tokens > longest:
                 raise MlflowException.invalid_parameter_value(
-                    f"sentence {i}: {len(sentence.split())} words, more than the model was trained on ({longest})"
+                    f"inputs[{i}]: {tokens} tokens, more than the model takes (tokenize.max_len = {longest})"
                 )
-        return self.translator.translate(sentences)
+        try:
+            return self.translator.translate_tokenized(tokenized, timeout=limit - (time.monotonic() - started))
+        except TimeoutError:
+            why = f"translation stopped after {limit} s ({MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name})"
+            logging.getLogger(__name__).warning(why)  # in the server, the 504 has gone out already
+            raise MlflowException(why, error_code=DEADLINE_EXCEEDED) from None
 
 
 def _sentences(model_input: list[str]) -> list[str]:
@@ -46,6 +63,9 @@ def _sentences(model_input: list[str]) -> list[str]:
         raise MlflowException.invalid_parameter_value(
             f"{len(sentences)} sentences, more than {MAX_SENTENCES} a request"
         )
+    characters = sum(map(len, sentences))
+    if characters > MAX_CHARACTERS:
+        raise MlflowException.invalid_parameter_value(f"{characters} characters, more than {MAX_CHARACTERS} a request")
     return sentences
 
 

@@ -77,14 +77,17 @@ class Translator:
         """Raw text in, raw text out. With nbest > 1, a list of hypotheses (best first) per line; with
         return_scores, (text, score) pairs, score = log P(text | line) (see Translation). `search`:
         beam, alpha, max_len_extra, batch_tokens (default: the model's decode params), sample,
-        top_k, top_p, temperature, seed (see hypotheses), progress."""
-        tokenizer = Tokenizer(self.params["data"]["src_lang"])
-        tokenized = list(tokenizer.pipe(raw_lines))
+        top_k, top_p, temperature, seed (see hypotheses), progress, timeout."""
+        tokenized = self.tokenize(raw_lines)
         if nbest == 1 and not return_scores and not search.get("sample"):
             return self.translate_tokenized(tokenized, **search)
         found = self.hypotheses(tokenized, nbest=nbest, **search)
         shaped = [[(h.text, h.score) if return_scores else h.text for h in hyps] for hyps in found]
         return [hyps[0] for hyps in shaped] if nbest == 1 else shaped
+
+    def tokenize(self, raw_lines: list[str]) -> list[str]:
+        """Raw lines split into the words the source vocabulary encodes (see transformer.tokenize)."""
+        return list(Tokenizer(self.params["data"]["src_lang"]).pipe(raw_lines))
 
     def translate_tokenized(self, lines: list[str], **search) -> list[str]:
         """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""
@@ -104,26 +107,38 @@ class Translator:
         max_len_extra: int | None = None,
         batch_tokens: int | None = None,
         progress: bool = False,
+        timeout: float | None = None,
     ) -> list[list[Translation]]:
         """The `nbest` best translations of each tokenized line, best first. Beam search (beam 1:
         greedy) ranks by log P / lp(length); sampling (sample=True, beam unused) draws `nbest`
         translations per line, from `seed` when given (same lines, seed and batch_tokens: same
-        draws), cut to top_k tokens / top_p of the mass at temperature, sorted by score."""
-        decode = self.params["decode"]
-        beam, alpha = beam or decode["beam"], decode["alpha"] if alpha is None else alpha
-        max_len_extra = decode["max_len_extra"] if max_len_extra is None else max_len_extra
-        _check_search(beam, alpha, nbest, sample, top_k, top_p, temperature)
+        draws), cut to top_k tokens / top_p of the mass at temperature, sorted by score. With
+        `timeout`, decoding stops with a TimeoutError at its first step after that many seconds."""
+        given = {"beam": beam, "alpha": alpha, "max_len_extra": max_len_extra, "batch_tokens": batch_tokens}
+        beam, alpha, max_len_extra, batch_tokens = (
+            self.params["decode"][k] if v is None else v for k, v in given.items()
+        )
+        _check_search(
+            beam=beam,
+            alpha=alpha,
+            nbest=nbest,
+            sample=sample,
+            top_k=top_k,
+            top_p=top_p,
+            temperature=temperature,
+            max_len_extra=max_len_extra,
+            batch_tokens=batch_tokens,
+        )
+        model = self.model if timeout is None else _Timed(self.model, timeout)
         if sample:
             generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
             run = functools.partial(
-                self._sample, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+                _sample, model, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
             )
         else:
-            run = functools.partial(
-                beam_search_nbest, self.model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest
-            )
+            run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest)
         rows = nbest if sample else beam  # decoder rows per sentence
-        return self._decode(lines, run, rows, max_len_extra, batch_tokens or decode["batch_tokens"], progress)
+        return self._decode(lines, run, rows, max_len_extra, batch_tokens, progress)
 
     def _decode(
         self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int, progress: bool
@@ -159,16 +174,42 @@ class Translator:
         )
         return bound
 
-    def _sample(self, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
-        rows = torch.arange(src.size(0), device=src.device).repeat_interleave(nbest)  # nbest draws per sentence
-        drawn = draw_samples(self.model, src[rows], max_len[rows], BOS, EOS, **how)
-        return [sorted(drawn[i : i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
+
+def _sample(model, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
+    rows = torch.arange(src.size(0), device=src.device).repeat_interleave(nbest)  # nbest draws per sentence
+    drawn = draw_samples(model, src[rows], max_len[rows], BOS, EOS, **how)
+    return [sorted(drawn[i : i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
+
+
+class _Timed:
+    """The model, refusing another decoding step once `seconds` have passed: a time cap that stops
+    the work itself, not only the wait for it."""
+
+    def __init__(self, model, seconds: float):
+        self.model, self.seconds, self.until = model, seconds, time.monotonic() + seconds
+
+    def start(self, src: torch.Tensor, **how):
+        return self.model.start(src, **how)
+
+    def step(self, state, last: torch.Tensor) -> torch.Tensor:
+        if time.monotonic() > self.until:
+            raise TimeoutError(f"translation stopped after {self.seconds:.3g} s")
+        return self.model.step(state, last)
 
 
 def _check_search(
-    beam: int, alpha: float, nbest: int, sample: bool, top_k: int, top_p: float, temperature: float
+    *,
+    beam: int,
+    alpha: float,
+    nbest: int,
+    sample: bool,
+    top_k: int,
+    top_p: float,
+    temperature: float,
+    max_len_extra: int,
+    batch_tokens: int,
 ) -> None:
-    """ValueError naming the argument a caller got wrong."""
+    """ValueError naming the argument a caller got wrong (the CLI's option types check the same ranges)."""
     checks = [
         (beam >= 1, f"beam = {beam} must be >= 1"),
         (alpha >= 0, f"alpha = {alpha} must be >= 0"),
@@ -177,6 +218,8 @@ def _check_search(
         (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: no cut)"),
         (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1]"),
         (temperature > 0, f"temperature = {temperature} must be > 0"),
+        (max_len_extra >= 0, f"max_len_extra = {max_len_extra} must be >= 0"),
+        (batch_tokens >= 1, f"batch_tokens = {batch_tokens} must be >= 1"),
     ]
     for ok, why in checks:
         if not ok:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, tiny_params
 
 from transformer import report, system
 from transformer.checkpoints import average_state_dicts
-from transformer.config import METRICS, params_from_dict
+from transformer.config import METRICS, load_params, params_from_dict
 from transformer.io import DataError, write_json
 from transformer.model import make_model
 from transformer.presets import names, recipe
@@ -275,6 +277,38 @@ def test_readme_results_are_copied_from_the_report():
     ]
     committed = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8").splitlines()
     assert rows and all(row in committed for row in rows)
+
+
+def test_the_committed_metrics_are_the_default_recipes_run_the_readme_and_the_report_show():
+    """dvc.lock, reports/scores.json and reports/train/train.json are one run of params.yaml's
+    recipe; its row in the README and its section of the report carry the same scores."""
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text(encoding="utf-8"))
+    params = load_params(ROOT / "params.yaml").to_dict()
+    for stage in ("train", "decode@test2016", "score"):
+        recorded = lock["stages"][stage]["params"]["params.yaml"]
+        for key, value in recorded.items():
+            section, _, name = key.partition(".")
+            expected = params[section][name] if name else params[section]
+            assert _same(value, expected), f"dvc.lock's {stage} ran with {key} = {value}, params.yaml says {expected}"
+    scores = json.loads((ROOT / "reports/scores.json").read_text(encoding="utf-8"))
+    p = load_params(ROOT / "params.yaml")
+    direction = f"{p.data.src_lang}→{p.data.tgt_lang}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- results -->")[1]
+    (row,) = [line for line in readme.splitlines() if line.startswith(f"| {p.data.corpus} | {direction} | test2016 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert [float(c) for c in cells[3:7]] == [scores["test2016"][m] for m in ("bleu", "bleu_tok_lc", "chrf", "ter")]
+    name = report.key(p)
+    text = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8")
+    section = text.split(f"<!-- begin {name} -->")[1].split(f"<!-- end {name} -->")[0]
+    for testset, values in scores.items():
+        for metric, value in values.items():
+            assert f"| {testset} | {METRICS[metric]} | {value} |" in section, (testset, metric)
+    train = json.loads((ROOT / "reports/train/train.json").read_text(encoding="utf-8"))
+    assert train["epochs"] == p.train.epochs and f"| {direction} | test2016 |" in section.split("\n\n")[1]
+
+
+def _same(a, b) -> bool:
+    return list(a) == list(b) if isinstance(a, (list, tuple)) else a == b
 
 
 def test_stages_write_their_wall_time_once_under_torchrun(tmp_path, monkeypatch):

@@ -91,6 +91,15 @@ def tiny_params(**overrides) -> dict:
     return params
 
 
+def tiny_model(**args):
+    """make_model with the tests' smallest sizes; `args` name the vocabularies and what else differs."""
+    from transformer.model import make_model
+    from transformer.vocab import PAD
+
+    sizes = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0, "norm": "pre", "tie_embeddings": False}
+    return make_model(**sizes | {"pad": PAD} | args)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

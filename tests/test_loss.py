@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 import transformer.loss
 from transformer.batching import Batch
 from transformer.loss import _RDrop, batch_loss, rdrop_loss, token_loss
-from transformer.model import make_model
 
 PAD = 2
 
@@ -18,18 +18,7 @@ PAD = 2
 def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
     torch.manual_seed(0)
     vocab = 20
-    model = make_model(
-        src_vocab=vocab,
-        tgt_vocab=vocab,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=True,
-        pad=PAD,
-    ).eval()
+    model = tiny_model(src_vocab=vocab, tgt_vocab=vocab, tie_embeddings=True).eval()
     tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
     hidden = torch.randn(2, 4, 16)
 
@@ -45,18 +34,7 @@ def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
 
 def _tiny(dropout: float = 0.0):
     torch.manual_seed(0)
-    return make_model(
-        src_vocab=20,
-        tgt_vocab=20,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=dropout,
-        norm="pre",
-        tie_embeddings=True,
-        pad=PAD,
-    )
+    return tiny_model(src_vocab=20, tgt_vocab=20, dropout=dropout, tie_embeddings=True)
 
 
 TGT_OUT = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])

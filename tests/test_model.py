@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from transformer.model import make_model
 from transformer.vocab import BOS, PAD
 
 V_SRC, V_TGT = 13, 11
@@ -14,18 +14,7 @@ V_SRC, V_TGT = 13, 11
 def _model(norm: str = "pre", tie: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     vocab = V_SRC if tie else V_TGT
-    return make_model(
-        src_vocab=V_SRC,
-        tgt_vocab=vocab,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.1,
-        norm=norm,
-        tie_embeddings=tie,
-        pad=PAD,
-    ).eval()
+    return tiny_model(src_vocab=V_SRC, tgt_vocab=vocab, dropout=0.1, norm=norm, tie_embeddings=tie).eval()
 
 
 def _tokens(rows: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -114,19 +103,7 @@ def test_a_beams_reordering_moves_the_prefix_and_leaves_the_source_side_in_place
 
 @pytest.mark.parametrize("decoder_N, layers", [(0, 2), (1, 1), (3, 3)])
 def test_decoder_N_sets_the_decoders_depth_and_0_takes_the_encoders(decoder_N, layers):
-    model = make_model(
-        src_vocab=V_SRC,
-        tgt_vocab=V_TGT,
-        N=2,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=False,
-        pad=PAD,
-        decoder_N=decoder_N,
-    ).eval()
+    model = tiny_model(src_vocab=V_SRC, tgt_vocab=V_TGT, N=2, decoder_N=decoder_N).eval()
     assert (len(model.encoder.layers), len(model.decoder.layers)) == (2, layers)
     src, tgt_in = _tokens(2, 6, V_SRC, 5), torch.cat([torch.full((2, 1), BOS), _tokens(2, 4, V_TGT, 6)], 1)
     with torch.no_grad():
@@ -201,19 +178,7 @@ def test_dropout_is_active_in_training_and_off_in_eval():
 
 def test_word_dropout_hides_source_tokens_in_training_only():
     torch.manual_seed(0)
-    model = make_model(
-        src_vocab=V_SRC,
-        tgt_vocab=V_TGT,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=False,
-        pad=PAD,
-        word_dropout=0.5,
-    )
+    model = tiny_model(src_vocab=V_SRC, tgt_vocab=V_TGT, word_dropout=0.5)
     src, tgt = _tokens(4, 30, V_SRC, 17), _tokens(4, 6, V_TGT, 18)
     mask = model.src_mask(src)
     with torch.no_grad():
@@ -234,18 +199,7 @@ def test_word_dropout_hides_source_tokens_in_training_only():
 
 
 def test_make_model_initializes_matrices_xavier_uniform():
-    model = make_model(
-        src_vocab=V_SRC,
-        tgt_vocab=V_TGT,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.1,
-        norm="post",
-        tie_embeddings=False,
-        pad=PAD,
-    )
+    model = tiny_model(src_vocab=V_SRC, tgt_vocab=V_TGT, dropout=0.1, norm="post")
     weight = model.encoder.layers[0].ff.w_1.weight  # (d_ff, d_model)
     bound = (6 / (16 + 32)) ** 0.5
     assert weight.abs().max() <= bound

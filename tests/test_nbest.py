@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from test_search import BOS, EOS, GREEDY_TRAP, PAD, A, B, C, ScriptedDecoder, _max_len, _src
+from test_search import BOS, EOS, GREEDY_TRAP, PAD, A, B, C, ScriptedDecoder, _max_len, _random_model, _src
 from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
 from transformer import Translator
 from transformer.cli import main
-from transformer.model import make_model
 from transformer.search import beam_search, beam_search_nbest
 
 
@@ -27,22 +26,6 @@ def test_nbest_lists_the_finished_hypotheses_best_first_with_their_log_probabili
 def test_nbest_above_the_beam_size_is_refused():
     with pytest.raises(ValueError, match="beam size"):
         beam_search_nbest(ScriptedDecoder(GREEDY_TRAP), _src(1), 2, 0.0, _max_len(10), BOS, EOS, nbest=3)
-
-
-def _random_model():
-    torch.manual_seed(0)
-    return make_model(
-        src_vocab=14,
-        tgt_vocab=14,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=False,
-        pad=PAD,
-    ).eval()
 
 
 @pytest.mark.parametrize("beam", [1, 3])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from transformer import packing
-from transformer.model import make_model
 from transformer.packing import Packing
 from transformer.vocab import PAD
 
@@ -16,18 +16,7 @@ NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values
 
 def _model(norm: str = "pre", dropout: float = 0.0):
     torch.manual_seed(0)
-    return make_model(
-        src_vocab=V,
-        tgt_vocab=V,
-        N=2,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=dropout,
-        norm=norm,
-        tie_embeddings=True,
-        pad=PAD,
-    )
+    return tiny_model(src_vocab=V, tgt_vocab=V, N=2, dropout=dropout, norm=norm, tie_embeddings=True)
 
 
 def _padded(lengths: list[int], seed: int) -> torch.Tensor:

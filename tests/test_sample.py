@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from test_search import BOS, EOS, PAD, A, B, ScriptedDecoder, _max_len, _src
+from test_search import BOS, EOS, A, B, ScriptedDecoder, _max_len, _random_model, _src
 from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
 from transformer import Translator
 from transformer.cli import main
-from transformer.model import make_model
 from transformer.search import greedy, sample
 
 # First token A (0.75) or B (0.25), then the end.
@@ -40,22 +39,6 @@ def test_top_k_and_top_p_cut_the_tail():
     assert _share_of_a(top_k=1) == 1.0
     assert _share_of_a(top_p=0.7) == 1.0  # A alone holds 0.75 >= 0.7
     assert _share_of_a(top_p=0.8) < 1.0  # A is not enough: B stays in
-
-
-def _random_model():
-    torch.manual_seed(0)
-    return make_model(
-        src_vocab=14,
-        tgt_vocab=14,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=False,
-        pad=PAD,
-    ).eval()
 
 
 def test_sampling_with_top_k_one_is_greedy():

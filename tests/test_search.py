@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from transformer.model import make_model
 from transformer.search import Ensemble, beam_search, greedy, length_penalty
 
 BOS, EOS, PAD, A, B, C = range(6)
@@ -162,18 +162,7 @@ def test_eos_at_the_first_step_gives_an_empty_hypothesis():
 
 def _random_model():
     torch.manual_seed(0)
-    return make_model(
-        src_vocab=14,
-        tgt_vocab=14,
-        N=1,
-        d_model=16,
-        d_ff=32,
-        h=2,
-        dropout=0.0,
-        norm="pre",
-        tie_embeddings=False,
-        pad=PAD,
-    ).eval()
+    return tiny_model(src_vocab=14, tgt_vocab=14).eval()
 
 
 def _sentences() -> list[torch.Tensor]:

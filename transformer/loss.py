@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer import packing
+
 _BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
 
 
@@ -72,9 +74,9 @@ def _partial_rdrop_loss(
     resumed run draws the same), and the plain loss on the others: each sentence keeps one pass's
     weight, and the work is 1 + share passes instead of 2."""
     n = batch.src.size(0)
-    twice = torch.randperm(n)[: max(1, round(share * n))].sort().values.to(batch.src.device)
-    once = torch.ones(n, dtype=torch.bool, device=batch.src.device)
-    once[twice] = False
+    # Index lists, not a boolean mask: a mask sizes its result by a count the host would wait for.
+    order, k = torch.randperm(n), max(1, round(share * n))
+    twice, once = (part.sort().values.to(batch.src.device) for part in (order[:k], order[k:]))
     hidden = forward(
         torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]])
     )  # (B + k, T, d)
@@ -183,7 +185,7 @@ def _projected(
     projection. Elsewhere every position does and the pad ones are ignored: selecting them
     (a boolean mask sizes its result by a count only the device knows) would make the
     host wait for the device on every micro-batch."""
-    if hidden.device.type != "cpu":
+    if not packing.counts_on_host(tgt_out):
         logits, target = model.generator(hidden).flatten(0, -2), tgt_out.flatten()
     else:
         keep = tgt_out != pad

@@ -11,6 +11,12 @@ import torch
 PACK_BELOW = 0.8
 
 
+def counts_on_host(t: torch.Tensor) -> bool:
+    """Whether the host may read a count of t's values (how many are real tokens) for free: on a CPU
+    the values are the host's; on an accelerator the host would wait for the device to get there."""
+    return t.device.type == "cpu"
+
+
 @dataclass(frozen=True)
 class Packing:
     """Where the real tokens of a right-padded (B, T) batch side are.
@@ -29,7 +35,7 @@ class Packing:
         """The packing of `tokens` (B, T), or None where it does not pay: a side that is mostly
         real tokens, or an accelerator, where counting them would cost a host sync and
         data-dependent shapes would defeat torch.compile."""
-        if tokens.device.type != "cpu" or torch.compiler.is_compiling():
+        if not counts_on_host(tokens) or torch.compiler.is_compiling():
             return None
         real = (tokens != pad).flatten()
         if int(real.sum()) >= PACK_BELOW * real.numel():

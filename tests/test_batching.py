@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
+from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, epoch_steps, token_batches
 from transformer.io import DataError
 from transformer.vocab import BOS, EOS, PAD
 
@@ -108,6 +108,65 @@ def test_batch_keeps_the_requested_order(tmp_path):
     batch = corpus.batch([2, 0])
     assert batch.src[:, 0].tolist() == [7, 5]
     assert batch.tgt_out[:, 0].tolist() == [10, 8]
+
+
+def _sentence_by_sentence(corpus: ParallelCorpus, index: list[int]) -> list[torch.Tensor]:
+    """A batch as the per-sentence definition builds it: each line sliced, </s> or <s> added, then padded."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    src = [corpus.src[corpus.src_off[i] : corpus.src_off[i + 1]].tolist() for i in index]
+    tgt = [corpus.tgt[corpus.tgt_off[i] : corpus.tgt_off[i + 1]].tolist() for i in index]
+    sides = ([s + [EOS] for s in src], [[BOS] + t for t in tgt], [t + [EOS] for t in tgt])
+    return [pad([torch.tensor(line) for line in side], batch_first=True, padding_value=PAD) for side in sides]
+
+
+def test_whole_batch_gathers_equal_the_sentence_by_sentence_batches(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    lines = [
+        [int(x) for x in torch.randint(4, 90, (int(n),), generator=g)]
+        for n in torch.randint(0, 12, (300,), generator=g)
+    ]
+    corpus = _corpus(tmp_path, lines[:150], lines[150:])
+    for index in token_batches(corpus.src_lens, corpus.tgt_lens, 60, seed=5):
+        batch = corpus.batch(index)
+        for built, expected in zip((batch.src, batch.tgt_in, batch.tgt_out), _sentence_by_sentence(corpus, index)):
+            assert torch.equal(built, expected), index
+        assert batch.ntokens == corpus.tokens(index) == sum(len(lines[150 + i]) + 1 for i in index)
+
+
+def test_a_batch_of_empty_lines_holds_only_the_markers(tmp_path):
+    corpus = _corpus(tmp_path, [[], [5]], [[], []])
+    batch = corpus.batch([0, 1])
+    assert batch.src.tolist() == [[EOS, PAD], [5, EOS]]
+    assert batch.tgt_in.tolist() == [[BOS], [BOS]] and batch.tgt_out.tolist() == [[EOS], [EOS]]
+
+
+def test_prefetch_yields_each_ranks_batches_of_every_update_in_order(tmp_path):
+    corpus = _corpus(tmp_path, [[5 + i] * (1 + i % 4) for i in range(24)], [[6 + i] * (1 + i % 3) for i in range(24)])
+    global_groups = epoch_steps(token_batches(corpus.src_lens, corpus.tgt_lens, 8, seed=1), 1, 4, 0)
+    for rank in (0, 1):
+        with Prefetch(corpus, global_groups, rank, 2, torch.device("cpu")) as updates:
+            got = list(updates)
+        assert len(got) == len(global_groups)
+        for update, group in zip(got, global_groups):
+            mine = group[rank::2]
+            assert [b.src.tolist() for b in update.batches] == [corpus.batch(i).src.tolist() for i in mine]
+            assert update.mine == sum(corpus.tokens(i) for i in mine)
+            assert update.total == sum(corpus.tokens(i) for i in group) and update.wait_s >= 0.0
+
+
+def test_prefetch_stops_its_thread_when_the_loop_leaves_early(tmp_path):
+    corpus = _corpus(tmp_path, [[5]] * 40, [[6]] * 40)
+    groups = [[[i]] for i in range(40)]
+    with Prefetch(corpus, groups, 0, 1, torch.device("cpu"), depth=1) as updates:
+        first = next(iter(updates))
+    assert first.batches[0].src.tolist() == [[5, EOS]]
+    assert not updates.thread.is_alive()
+
+
+def test_an_error_building_a_batch_is_raised_in_the_loop(tmp_path):
+    corpus = _corpus(tmp_path, [[5]] * 3, [[6]] * 3)
+    with pytest.raises(IndexError), Prefetch(corpus, [[[0]], [[7]]], 0, 1, torch.device("cpu")) as updates:
+        list(updates)
 
 
 def test_missing_corpus_file_names_the_stage(tmp_path):

@@ -107,6 +107,8 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert run_.data.params["model.d_model"] == "32" and "version.torch" in run_.data.params
     assert len(client.get_metric_history(run_.info.run_id, "loss")) > 20
     assert client.get_metric_history(run_.info.run_id, "val_loss")
+    assert run_.data.metrics["peak_rss_mb_rank_0"] > 100  # MiB: torch alone takes more
+    assert client.get_metric_history(run_.info.run_id, "batch_wait_ms")
     assert "test2016_bleu" not in run_.data.metrics and "decode.beam" not in run_.data.params
     assert evaluation.data.metrics["test2016_bleu"] == scores["test2016"]["bleu"]
     assert evaluation.data.params["decode.beam"] == "2"

@@ -224,6 +224,7 @@ class Recorder:
     def set_tags(self, tags): pass
     def log_metrics(self, metrics, step): pass
     def log_rows(self, rows): pass
+    def watch_system(self, resumed): pass
 
     def log_artifact(self, path, artifact_path=None):
         if not self.uploads:

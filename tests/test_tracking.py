@@ -4,6 +4,7 @@ training's, corpus files as dataset inputs, the UI's runs table."""
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,18 @@ def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, s
     assert run.info.status == "FINISHED" and run.info.run_name == "train"
     history = _client(store).get_metric_history(tracker.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(r["step"], r["loss"]) for r in rows]
+
+
+def test_a_watched_run_logs_the_machines_cpu_and_memory_until_it_ends(tracking, store):
+    tracker = tracking.Tracker(EXPERIMENT)
+    tracker.watch_system(resumed=False, every_s=0.2)
+    time.sleep(1.5)
+    tracker.end()
+    metrics = _client(store).get_run(tracker.run_id).data.metrics
+    assert metrics["system/system_memory_usage_megabytes"] > 0 and "system/cpu_utilization_percentage" in metrics
+    steps = len(_client(store).get_metric_history(tracker.run_id, "system/system_memory_usage_megabytes"))
+    time.sleep(0.5)  # ended: the monitor logs no more
+    assert len(_client(store).get_metric_history(tracker.run_id, "system/system_memory_usage_megabytes")) == steps
 
 
 def test_a_metric_the_store_refuses_fails_the_run_when_it_ends(tracking, store):

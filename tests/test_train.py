@@ -581,6 +581,11 @@ def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
     _assert_same_training(_final_weights(tmp_path / "one"), _final_weights(tmp_path / "two"))
     moved = checkpoints.load(checkpoints.listed(tmp_path / "one" / "ckpt")[-1])["step"]
     assert moved == 6
+    peaks = {
+        n: json.loads((tmp_path / n / "reports" / "train.json").read_text())["peak_rss_mb"] for n in ("one", "two")
+    }
+    assert list(peaks["one"]) == ["rank_0"] and list(peaks["two"]) == ["rank_0", "rank_1"]
+    assert all(100 < mb < 8192 for run in peaks.values() for mb in run.values())  # MiB: each rank's own process
 
 
 @pytest.mark.slow

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ class Batch:
     ntokens: int  # non-pad target tokens
 
     def to(self, device: torch.device) -> Batch:
+        """On `device`; from pinned memory (Batch.pinned) a CUDA copy does not wait for the host."""
         nb = device.type == "cuda"
         return Batch(
             self.src.to(device, non_blocking=nb),
@@ -26,6 +30,19 @@ class Batch:
             self.tgt_out.to(device, non_blocking=nb),
             self.ntokens,
         )
+
+    def pinned(self) -> Batch:
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(), self.ntokens)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One update's share of this rank: its micro-batches, and the target tokens they and all ranks hold."""
+
+    batches: list[Batch]
+    total: int  # target tokens of the update, every rank's micro-batches together
+    mine: int  # target tokens of this rank's micro-batches
+    wait_s: float  # how long the step loop waited for it
 
 
 class ParallelCorpus:
@@ -50,20 +67,89 @@ class ParallelCorpus:
         return len(self.src_lens)
 
     def batch(self, index: list[int]) -> Batch:
-        src = [
-            torch.cat([self.src[self.src_off[i] : self.src_off[i + 1]], torch.tensor([EOS], dtype=torch.int32)])
-            for i in index
-        ]
-        tgt = [self.tgt[self.tgt_off[i] : self.tgt_off[i + 1]] for i in index]
-        bos, eos = torch.tensor([BOS], dtype=torch.int32), torch.tensor([EOS], dtype=torch.int32)
-        pad = torch.nn.utils.rnn.pad_sequence
-        tgt_out = pad([torch.cat([t, eos]) for t in tgt], batch_first=True, padding_value=PAD).long()
+        """Pairs `index` as padded tensors, built as whole-batch gathers, not sentence by sentence."""
+        rows = torch.tensor(index)
         return Batch(
-            pad(src, batch_first=True, padding_value=PAD).long(),
-            pad([torch.cat([bos, t]) for t in tgt], batch_first=True, padding_value=PAD).long(),
-            tgt_out,
-            int(self.tgt_lens[index].sum()),
+            _lines(self.src, self.src_off, rows, bos=False),
+            _lines(self.tgt, self.tgt_off, rows, bos=True),
+            _lines(self.tgt, self.tgt_off, rows, bos=False),
+            int(self.tgt_lens[rows].sum()),
         )
+
+    def tokens(self, index: list[int]) -> int:
+        """Target tokens (non-pad) of pairs `index`."""
+        return int(self.tgt_lens[index].sum())
+
+
+def _lines(ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, bos: bool) -> torch.Tensor:
+    """Lines `rows` of a corpus, <s> before each (bos) or </s> after it, right-padded with PAD."""
+    starts = offsets[rows].long()
+    lens = offsets[rows + 1].long() - starts
+    line = torch.repeat_interleave(torch.arange(len(rows)), lens)
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    out = torch.full((len(rows), int(lens.max()) + 1), PAD, dtype=torch.long)
+    out[line, within + int(bos)] = ids[torch.repeat_interleave(starts, lens) + within].long()
+    if bos:
+        out[:, 0] = BOS
+    else:
+        out[torch.arange(len(rows)), lens] = EOS
+    return out
+
+
+class Prefetch:
+    """This rank's batches of the coming updates, built by a thread of their own while the step runs
+    (pinned for the copy where the device is CUDA), at most `depth` updates ahead. A context manager:
+    leaving it stops the thread, also when the loop stops early; the thread's error is raised in the loop."""
+
+    def __init__(self, corpus: ParallelCorpus, groups: list[list[list[int]]], rank: int, world: int, device, depth=2):
+        self.corpus, self.groups, self.rank, self.world = corpus, groups, rank, world
+        self.pin = device.type == "cuda"
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._build, name="batches", daemon=True)
+
+    def __enter__(self) -> Prefetch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        while self.thread.is_alive():  # unblock a put waiting for room
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                self.thread.join(timeout=0.01)
+
+    def __iter__(self):
+        for _ in self.groups:
+            start = time.perf_counter()
+            item = self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            batches, total, mine = item
+            yield Update(batches, total, mine, time.perf_counter() - start)
+
+    def _build(self) -> None:
+        try:
+            for group in self.groups:
+                mine = group[self.rank :: self.world]
+                batches = [self.corpus.batch(index) for index in mine]
+                if self.pin:
+                    batches = [b.pinned() for b in batches]
+                if not self._put((batches, sum(self.corpus.tokens(b) for b in group), sum(b.ntokens for b in batches))):
+                    return
+        except BaseException as e:  # noqa: BLE001 - raised again in the loop
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        """Waits for room in the queue; False when the loop has gone."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
 
 class TrainingSplit:

@@ -1,9 +1,10 @@
-"""glibc's allocator, tuned for training on CPUs: freed blocks kept for the next update, and handed
-back to the system every so often."""
+"""The process's memory: its peak, and glibc's allocator tuned for training on CPUs (freed blocks
+kept for the next update, and handed back to the system every so often)."""
 
 from __future__ import annotations
 
 import functools
+import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (<malloc.h>)
 
@@ -40,6 +41,14 @@ def release_freed_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def peak_rss_mb() -> float:
+    """The most memory this process has held resident so far (VmHWM), in MiB."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
+    return kib / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 @functools.cache

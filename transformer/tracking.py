@@ -85,6 +85,7 @@ class Tracker:
                 run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         self.run_id = run_id
         self._pending: list = []  # MLflow's RunOperations, waited for by end()
+        self._system = None  # MLflow's system-metrics thread, once watch_system started it
 
     def has_run(self, run_id: str) -> bool:
         """Whether the store holds the run: a checkpoint may name one of a store since deleted or replaced."""
@@ -111,6 +112,17 @@ class Tracker:
         if tracking_uri().startswith("sqlite:"):  # artifacts beside the database, not in the cwd
             location = (project_root() / "mlartifacts").as_uri()
         return self.client.create_experiment(name, artifact_location=location)
+
+    def watch_system(self, resumed: bool, every_s: float = 10.0) -> None:
+        """Logs this machine's CPU, memory, disk and network use (and the GPUs', where pynvml sees them)
+        every `every_s` seconds until end(), as MLflow's system/ metrics; a resumed run's continue its steps.
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides the interval."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._system = SystemMetricsMonitor(
+            self.run_id, sampling_interval=every_s, resume_logging=resumed, tracking_uri=tracking_uri()
+        )
+        self._system.start()
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Params the run does not have yet (a resumed training logs them again); MLflow batches them."""
@@ -172,6 +184,9 @@ class Tracker:
         run failed already: then the error that failed it is the one to see, and this one is said."""
         from mlflow.exceptions import MlflowException
 
+        if self._system is not None:
+            self._system.finish()
+            self._system = None
         error = None
         for operation in self._pending:
             try:

@@ -18,13 +18,13 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.attention import attention_kernels
-from transformer.batching import ParallelCorpus, TrainingSplit, epoch_steps, token_batches
+from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, Update, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
 from transformer.distributed import Dist, rank_seed, setup_distributed, use_bf16
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
-from transformer.memory import keep_freed_memory, release_freed_memory
+from transformer.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
 from transformer.model import make_model
 from transformer.resume import Progress, patience_spent, resume
 from transformer.schedule import rate
@@ -222,7 +222,9 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
     tracker = tracker_factory(
         tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id, tracking.run_name("train")
     )
+    resumed = progress.mlflow_run_id == tracker.run_id
     progress.mlflow_run_id = tracker.run_id
+    tracker.watch_system(resumed)
     trained_by = {
         k: v for k, v in flatten(params).items() if k.split(".")[0] in TRAIN_SECTIONS
     }  # evaluations log the rest
@@ -271,6 +273,9 @@ class _Loop:
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
+        self.tick_wait_s = 0.0  # of the window, the time the loop waited for batches
+        self.batch_wait_s = 0.0  # the same, over this invocation
+        self.peaks: list[float] = []  # every rank's peak resident set (MiB), as of the last collective
         self.references, self.stopped = setup.references, False
         # The run's wall time: the earlier invocations' (as the checkpoint resumed from holds it) and this one's.
         self.resumed_s, self.started = progress.wall_s, started
@@ -302,7 +307,16 @@ class _Loop:
         finished_here = self.validated_at == pr.step  # a rerun of a finished run adds nothing
         if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._end_of_epoch(partial=True)
+        self.peaks = self._gathered(peak_rss_mb())
         return self._write_reports()
+
+    def _gathered(self, mine: Any) -> list[Any]:
+        """`mine` of every rank, in rank order; a collective: every rank calls it."""
+        if self.env.world == 1:
+            return [mine]
+        ranks = [None] * self.env.world
+        dist.all_gather_object(ranks, mine)
+        return ranks
 
     def _epoch_corpus(self) -> ParallelCorpus:
         if not self.split.dropout:
@@ -334,27 +348,29 @@ class _Loop:
             mininterval=2,
             dynamic_ncols=True,
         )
-        self.tick, self.tick_tokens = time.perf_counter(), 0
-        for group in groups[pr.step_in_epoch :]:
-            self._update(group)
-            bar.update(1)
-            if len(self.pending) >= LOG_EVERY:
-                bar.set_postfix(self._sync())
-            if self.env.device.type == "cpu" and pr.step % RELEASE_EVERY == 0:
-                release_freed_memory()
-            if self.p.eval_every and pr.step % self.p.eval_every == 0 and pr.step_in_epoch < len(groups):
-                self._validate_and_save(pr.epoch + pr.step_in_epoch / len(groups))  # the epoch's end validates anyway
-                self.tick = time.perf_counter()  # training time leaves validation out, as at epoch ends
-            elif self.p.save_every and pr.step % self.p.save_every == 0:
-                self._save()
-            if self._done():
-                break
+        self.tick, self.tick_tokens, self.tick_wait_s = time.perf_counter(), 0, 0.0
+        env = self.env
+        with Prefetch(self.corpus, groups[pr.step_in_epoch :], env.rank, env.world, env.device) as updates:
+            for update in updates:
+                self._update(update)
+                bar.update(1)
+                if len(self.pending) >= LOG_EVERY:
+                    bar.set_postfix(self._sync())
+                if env.device.type == "cpu" and pr.step % RELEASE_EVERY == 0:
+                    release_freed_memory()
+                if self.p.eval_every and pr.step % self.p.eval_every == 0 and pr.step_in_epoch < len(groups):
+                    self._validate_and_save(
+                        pr.epoch + pr.step_in_epoch / len(groups)
+                    )  # the epoch's end validates anyway
+                    self.tick = time.perf_counter()  # training time leaves validation out, as at epoch ends
+                elif self.p.save_every and pr.step % self.p.save_every == 0:
+                    self._save()
+                if self._done():
+                    break
         bar.close()
 
-    def _update(self, group: list[list[int]]) -> None:
+    def _update(self, update: Update) -> None:
         pr, env = self.progress, self.env
-        mine = group[env.rank :: env.world]
-        total = sum(int(self.corpus.tgt_lens[b].sum()) for b in group)  # global target tokens of this update
         lr = rate(
             pr.step + 1, self.params.model.d_model, self.p.factor, self.p.warmup, self.planned_updates, self.p.cooldown
         )
@@ -362,19 +378,20 @@ class _Loop:
             g["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=env.device)
-        for i, index in enumerate(mine):
-            batch = self.corpus.batch(index).to(env.device)
-            last = i == len(mine) - 1
+        for i, batch in enumerate(update.batches):
+            batch = batch.to(env.device)
+            last = i == len(update.batches) - 1
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
             with sync, self.autocast():
                 loss = self._loss(batch)
-                (loss * (env.world / total)).backward()
+                (loss * (env.world / update.total)).backward()
             loss_sum += loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        mine_tokens = sum(int(self.corpus.tgt_lens[b].sum()) for b in mine)
-        self.pending.append((pr.step + 1, pr.step_in_epoch, loss_sum, mine_tokens, lr))
-        self.tick_tokens += mine_tokens
+        self.pending.append((pr.step + 1, pr.step_in_epoch, loss_sum, update.mine, lr))
+        self.tick_tokens += update.mine
+        self.tick_wait_s += update.wait_s
+        self.batch_wait_s += update.wait_s
         pr.step += 1
         pr.step_in_epoch += 1
 
@@ -424,11 +441,12 @@ class _Loop:
                     f"the last good checkpoint in {self.ckpt_dir} is kept. Lower train.factor or raise train.warmup."
                 )
             rows.append({"step": step, "loss": loss / tokens, "lr": lr, "tokens_per_s": tokens_per_s})
-        self.pending, self.tick, self.tick_tokens = [], now, 0
+        wait_ms = 1000 * self.tick_wait_s / len(rows)
+        self.pending, self.tick, self.tick_tokens, self.tick_wait_s = [], now, 0, 0.0
         if self.env.main:
             self.progress.steps.extend(rows)
-            if self.tracker:
-                self.tracker.log_rows(rows)
+            if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
+                self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms}])
         last = rows[-1]
         return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
 
@@ -511,11 +529,9 @@ class _Loop:
 
     def _save(self) -> None:
         self._sync()  # never checkpoint weights whose losses were not checked
-        mine = checkpoints.rng_state(self.env.device)
-        rng = [mine]
-        if self.env.world > 1:  # every rank's generators, so that each resumes its own dropout masks
-            rng = [None] * self.env.world
-            dist.all_gather_object(rng, mine)
+        # Every rank's generators, so that each resumes its own dropout masks, and its memory peak.
+        ranks = self._gathered({"rng": checkpoints.rng_state(self.env.device), "peak": peak_rss_mb()})
+        rng, self.peaks = [r["rng"] for r in ranks], [r["peak"] for r in ranks]
         if not self.env.main:
             return
         pr = self.progress
@@ -549,6 +565,8 @@ class _Loop:
         a = self.params.average  # with select best, its candidates stay until better ones replace them
         best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
         checkpoints.prune(self.ckpt_dir, self.p.keep, best)
+        if self.tracker:
+            self.tracker.log_metrics({f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(self.peaks)}, pr.step)
         self._write_reports()
 
     def _clock(self) -> None:
@@ -572,6 +590,8 @@ class _Loop:
             "wall_s": round(pr.wall_s, 1),
             "resumed_s": round(self.resumed_s, 1),
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
+            "batch_wait_s": round(self.batch_wait_s, 3),
+            "peak_rss_mb": {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)},
         }
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))

@@ -1,12 +1,67 @@
-"""The process's memory: its peak, and glibc's allocator tuned for training on CPUs (freed blocks
-kept for the next update, and handed back to the system every so often)."""
+"""The process's memory: its allocator, its peak, and glibc's allocator tuned for training on CPUs
+where mimalloc is not at hand (freed blocks kept for the next update, and handed back to the system
+every so often).
+
+Training's blocks change size with every batch's shape. glibc's heap keeps the freed ones, and
+they fragment: the resident set grows to several times what an update holds live. mimalloc,
+installed with the project (the cmeel-mimalloc wheel), serves blocks by size class, reuses them
+as fast as a kept heap, and returns what it no longer uses. It must be in place before the process
+allocates, so the stages that train and decode run themselves again with it preloaded
+(preload_allocator)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from pathlib import Path
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (<malloc.h>)
+ALLOCATOR_ENV = "TRANSFORMER_ALLOCATOR"  # "glibc": stay on glibc's malloc (comparisons); else mimalloc where installed
+_MIMALLOC = ("cmeel-mimalloc", "cmeel.prefix/lib/libmimalloc.so")  # the wheel, and the library's place in it
+# mimalloc's purge delay (ms), unless the environment sets one: never. Its size classes keep the
+# freed pages few, and an update reuses them at once; returned to the system, each would fault
+# in again, the cost glibc's kept heap avoided (docs/speed.md).
+KEEP_FREED_PAGES = "-1"
+
+
+def preload_allocator() -> None:
+    """Runs this process again, with the same command line, with mimalloc preloaded: where it is
+    installed and not yet in place, and TRANSFORMER_ALLOCATOR does not ask for glibc. Elsewhere it
+    returns and the process goes on with its C library's malloc. Call it first thing: the process is
+    replaced (same PID, so a launcher such as torchrun keeps track of it)."""
+    lib = mimalloc_library()
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if lib is None or os.environ.get(ALLOCATOR_ENV) == "glibc" or str(lib) in preloaded or allocator() == "mimalloc":
+        return  # the check on LD_PRELOAD: a library the loader refused is not asked for again
+    preload = " ".join(filter(None, [str(lib), preloaded]))
+    env = {"MIMALLOC_PURGE_DELAY": KEEP_FREED_PAGES} | os.environ | {"LD_PRELOAD": preload}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+def mimalloc_library() -> Path | None:
+    """The mimalloc shared library of the installed cmeel-mimalloc wheel (Linux); None without it."""
+    from importlib import metadata
+
+    try:
+        lib = Path(metadata.distribution(_MIMALLOC[0]).locate_file(_MIMALLOC[1]))
+    except metadata.PackageNotFoundError:
+        return None
+    return lib if sys.platform == "linux" and lib.is_file() else None
+
+
+@functools.cache
+def allocator() -> str:
+    """The malloc this process runs on: "mimalloc" where it is loaded, else "glibc" or "system"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    if "libmimalloc" in maps:
+        return "mimalloc"
+    return "glibc" if _glibc() is not None else "system"
 
 
 def keep_freed_memory(keep: bool = True) -> bool:
@@ -18,11 +73,12 @@ def keep_freed_memory(keep: bool = True) -> bool:
     serve the next (bench/bench.py times it: rows t and u against c and e; docs/speed.md), at the
     cost of a resident set that holds the largest update's blocks.
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
-    adjustment would take it for blocks this large. True where glibc took the settings.
+    adjustment would take it for blocks this large. True where glibc took the settings; False
+    where the process runs on another malloc (mimalloc), which these settings would not reach.
     Only the main arena keeps blocks of 64 MiB and more: glibc maps them afresh in its other
     arenas (other threads', and the main thread's after an allocation failed), whatever mallopt says."""
     libc = _glibc()
-    if libc is None:
+    if libc is None or allocator() != "glibc":
         return False
     if keep:
         settings = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1}
@@ -39,7 +95,7 @@ def release_freed_memory() -> None:
     fragments as batch shapes change and would grow over a run; released every RELEASE_EVERY
     updates, its pages fault in again once per RELEASE_EVERY updates, not every update."""
     libc = _glibc()
-    if libc is not None:
+    if libc is not None and allocator() == "glibc":
         libc.malloc_trim(0)
 
 

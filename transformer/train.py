@@ -24,7 +24,7 @@ from transformer.distributed import Dist, rank_seed, setup_distributed, use_bf16
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
-from transformer.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
+from transformer.memory import allocator, keep_freed_memory, peak_rss_mb, release_freed_memory
 from transformer.model import make_model
 from transformer.resume import Progress, patience_spent, resume
 from transformer.schedule import rate
@@ -233,6 +233,7 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
         {
             "git_commit": tracking.git_commit(),
             "dvc_exp_name": tracking.dvc_exp_name(),
+            "allocator": allocator(),
             "corpus": d.corpus,
             "direction": f"{d.src_lang}-{d.tgt_lang}",
         }

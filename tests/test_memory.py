@@ -1,0 +1,106 @@
+"""The process's malloc: training's processes run on mimalloc where it is installed, glibc's
+settings are left alone there, and a training process's memory does not grow with its updates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from transformer import memory
+
+needs_mimalloc = pytest.mark.skipif(
+    memory.mimalloc_library() is None, reason="cmeel-mimalloc, a dependency on Linux, is not installed"
+)
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", memory.ALLOCATOR_ENV)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean | env, timeout=300
+    )
+
+
+_ALLOCATOR = """
+import os
+from transformer.memory import allocator, keep_freed_memory, preload_allocator
+preload_allocator()
+print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"))
+"""
+
+
+@needs_mimalloc
+def test_a_process_that_preloads_runs_itself_again_on_mimalloc_and_leaves_glibcs_settings_alone():
+    done = _run(_ALLOCATOR)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mimalloc", "False", memory.KEEP_FREED_PAGES]
+
+
+def test_glibc_asked_for_stays_glibc_and_takes_its_settings():
+    done = _run(_ALLOCATOR, **{memory.ALLOCATOR_ENV: "glibc"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["glibc", "True", "None"]
+
+
+def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeypatch):
+    refused = tmp_path / "libmimalloc.so"  # as if the loader had refused it: this process is on glibc
+    refused.write_bytes(b"")
+    monkeypatch.setattr(memory, "mimalloc_library", lambda: refused)
+    monkeypatch.setenv("LD_PRELOAD", str(refused))
+    monkeypatch.delenv(memory.ALLOCATOR_ENV, raising=False)
+    monkeypatch.setattr(os, "execve", lambda *args: pytest.fail("the process ran itself again"))
+    memory.preload_allocator()
+
+
+# Updates of a tiny model in bf16 over batches of changing shapes, as training's are; the resident
+# set before them, after a first stretch and after four times as many.
+_UPDATES = """
+import json, torch
+from transformer.memory import keep_freed_memory, preload_allocator
+preload_allocator()
+keep_freed_memory()  # as training does where it runs on glibc
+from transformer.batching import Batch
+from transformer.loss import batch_loss
+from transformer.model import make_model
+from transformer.train import make_optimizer
+
+def resident_mb():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+torch.manual_seed(0)
+vocab = 8000
+model = make_model(src_vocab=vocab, tgt_vocab=vocab, pad=0, N=1, decoder_N=0, d_model=64, d_ff=256, h=2,
+                   dropout=0.1, attn_dropout=0.0, ff_dropout=0.0, word_dropout=0.0, norm="pre", tie_embeddings=True)
+optimizer = make_optimizer(model, 0.0, torch.device("cpu"))
+rss, pending = {0: resident_mb()}, []
+for step in range(1, 201):
+    length = int(torch.randint(5, 60, ()))
+    rows = 3000 // length
+    real = torch.arange(length)[None] < torch.randint(1, length + 1, (rows, 1))
+    src, tgt = (torch.where(real, torch.randint(4, vocab, (rows, length)), 0) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # its casts' blocks are what fragment glibc's heap
+        loss = batch_loss(model, model, Batch(src, tgt, tgt, int(real.sum())), 0, 0.1, rdrop=5.0, share=0.5)
+        loss.backward()
+    pending.append(loss.detach())  # held until the next sync, as training holds them
+    if step % 20 == 0:
+        pending.clear()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if step in (50, 200):
+        rss[step] = resident_mb()
+print(json.dumps(rss))
+"""
+
+
+@needs_mimalloc
+@pytest.mark.slow
+def test_a_training_processs_memory_does_not_grow_with_its_updates():
+    done = _run(_UPDATES, OMP_NUM_THREADS="2")  # the other thread's blocks too (glibc: another arena)
+    assert done.returncode == 0, done.stderr
+    rss = json.loads(done.stdout)
+    assert rss["200"] - rss["50"] < 0.2 * (rss["50"] - rss["0"]), rss  # glibc's kept heap: by three quarters

@@ -33,9 +33,13 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        where training runs in bf16.
     t. ours, token batches, with glibc's malloc defaults: c with the large blocks mapped and
        unmapped each update, as glibc does unless told otherwise; every other row of ours keeps
-       freed memory for reuse, as training does (transformer.memory.keep_freed_memory), and the
-       baseline's rows run with glibc's defaults, as the seed does.
+       freed memory for reuse, as training does on glibc's malloc (transformer.memory.keep_freed_memory),
+       and the baseline's rows run with glibc's defaults, as the seed does.
     u. the same against e, in bf16.
+  The bench runs on the malloc training runs on: mimalloc where it is installed
+  (transformer.memory.preload_allocator), and there rows t and u, which are about glibc's
+  settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
+  bench/allocators.py sets the two side by side.
     v. r with a shared encoder (train.rdrop_shared_encoder): the batch is encoded once and
        decoded twice, so the two passes differ in the decoder's dropout alone. Against r.
        Its MFU credits one encoder pass and two decoder passes.
@@ -76,6 +80,7 @@ processes kept busy meanwhile (from /proc/stat); a warning follows the table abo
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import platform
@@ -102,10 +107,12 @@ from transformer.config import load_params  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 from transformer.loss import batch_loss  # noqa: E402
-from transformer.memory import keep_freed_memory  # noqa: E402
+from transformer.memory import allocator, keep_freed_memory, peak_rss_mb, preload_allocator  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
-from transformer.search import beam_search, greedy  # noqa: E402
+from transformer.search import beam_search  # noqa: E402
 from transformer.system import hardware  # noqa: E402
+from transformer.train import make_optimizer  # noqa: E402
+from transformer.translate import batched_search  # noqa: E402
 from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +125,7 @@ NO_EOS = -1  # an id no token has: searches run every sentence to its max length
 EXTRA = 5  # decoded length = source length + EXTRA
 MAX_BATCHES = 40  # built per training row, warm-up included
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LEARNING_RATE = 1e-4  # training's schedule sets one per update; a fixed one times the same work
 
 
 @dataclass(frozen=True)
@@ -301,7 +309,9 @@ def ours_step(
     training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences.
     Batches should be on `device` already; the step does not wait for the device."""
     model = ours_model(data, size).to(device).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    optimizer = make_optimizer(model, PARAMS.train.weight_decay, device)
+    for group in optimizer.param_groups:
+        group["lr"] = LEARNING_RATE
     smoothing = PARAMS.train.label_smoothing
     kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
 
@@ -462,12 +472,16 @@ TRAIN_ROWS = (
 )
 
 
-def training_rows(size: Size, data: Data, plan: Plan, peaks: dict[str, float]) -> list[dict[str, Any]]:
+def training_rows(
+    size: Size, data: Data, plan: Plan, peaks: dict[str, float], keys: str | None = None
+) -> list[dict[str, Any]]:
+    """The training rows of `keys` (all where None) that this machine can run: bf16 rows need bf16
+    hardware, and glibc's malloc settings (t, u) a process on glibc's malloc."""
     batches = training_batches(data.corpus, MAX_BATCHES)
     rows = []
     for row in TRAIN_ROWS:
         dtype = "bf16" if row.bf16 else "fp32"
-        if dtype not in peaks:
+        if dtype not in peaks or (keys and row.key not in keys) or (row.malloc_defaults and allocator() != "glibc"):
             continue
         rdrop = RDROP if row.rdrop else 0.0
         keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
@@ -513,31 +527,12 @@ def decode_sources(corpus: ParallelCorpus, count: int) -> list[list[int]]:
     return [corpus.batch([i]).src[0].tolist() for i in order]
 
 
-def length_batches(sources: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Indices by ascending length, at most max_tokens padded source tokens a batch (as transformer.translate)."""
-    batches, current = [], []
-    for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
-        if current and len(sources[i]) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    return batches + ([current] if current else [])
-
-
 def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> int:
-    """Target tokens produced by ours on every source, batched by length."""
-    tokens = 0
-    for batch in length_batches(sources, PARAMS.decode.batch_tokens // beam):
-        src = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(sources[i]) for i in batch], batch_first=True, padding_value=PAD
-        )  # (B, S)
-        max_len = torch.tensor([len(sources[i]) + EXTRA for i in batch])
-        if beam == 1:
-            out = greedy(model, src, max_len, BOS, NO_EOS)
-        else:
-            out = beam_search(model, src, beam, PARAMS.decode.alpha, max_len, BOS, NO_EOS)
-        tokens += sum(len(o) for o in out)
-    return tokens
+    """Target tokens produced by ours on every source, batched by length as transformer.translate does."""
+    run = functools.partial(beam_search, model, beam=beam, alpha=PARAMS.decode.alpha, bos=BOS, eos=NO_EOS)
+    limits = [len(s) + EXTRA for s in sources]
+    searched = batched_search(sources, limits, beam, PARAMS.decode.batch_tokens, torch.device("cpu"), run)
+    return sum(len(out) for _, found in searched for out in found)
 
 
 def decode_baseline(model: baseline.Baseline, sources: list[list[int]]) -> int:
@@ -670,6 +665,7 @@ def machine() -> dict[str, Any]:
         "interop_threads": torch.get_num_interop_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
+        "allocator": allocator(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -728,8 +724,15 @@ def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]])
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="raw reference, e.g. data/raw/test2016.de",
 )
+@click.option("--rows", "keys", default=None, help="only these training rows, by key (e.g. ce); no decoding rows")
 def main(
-    quick: bool, vocab_dir: Path | None, out: Path, model_path: Path | None, source: Path | None, reference: Path | None
+    quick: bool,
+    vocab_dir: Path | None,
+    out: Path,
+    model_path: Path | None,
+    source: Path | None,
+    reference: Path | None,
+    keys: str | None,
 ) -> None:
     """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
     plan = QUICK if quick else FULL
@@ -760,9 +763,10 @@ def main(
         data = load_data(vocab_dir, Path(tmp))
         train, decode = [], []
         for name in plan.sizes:
-            train += training_rows(SIZES[name], data, plan, peaks)
-            decode += decoding_rows(SIZES[name], data, plan)
+            train += training_rows(SIZES[name], data, plan, peaks, keys)
+            decode += [] if keys else decoding_rows(SIZES[name], data, plan)
     info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    info["peak_rss_mb"] = round(peak_rss_mb())
     runtime = time.perf_counter() - start
     by_size = sorted(train + decode, key=lambda r: plan.sizes.index(r["size"]))  # stable: keys stay in order
     print(table(peaks, info["other_cores_busy_during_peak"], by_size))
@@ -788,4 +792,5 @@ def main(
 
 
 if __name__ == "__main__":
+    preload_allocator()  # the malloc training runs on
     main()

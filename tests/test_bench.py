@@ -102,3 +102,10 @@ def test_ours_keeps_freed_memory_as_training_does_but_rows_t_and_u_and_the_basel
         True,
         True,
     ]  # each row's, then training's again
+
+
+def test_rows_asked_for_are_the_rows_run_and_glibcs_settings_only_on_glibc(data, monkeypatch):
+    rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0}, keys="ctu")
+    assert [r["key"] for r in rows] == ["c", "t", "u"]  # this test process runs on glibc's malloc
+    monkeypatch.setattr(bench, "allocator", lambda: "mimalloc")
+    assert [r["key"] for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0}, keys="ctu")] == ["c"]

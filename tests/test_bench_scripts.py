@@ -11,6 +11,7 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "bench"))
+import allocators  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
 import rdrop_loss  # noqa: E402
@@ -65,3 +66,17 @@ def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
 def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_path):
     result = CliRunner().invoke(gpu_attention.main, ["--vocab-dir", str(tmp_path)])
     assert result.exit_code == 1 and "needs a CUDA device" in result.output
+
+
+def test_allocators_compares_each_rows_median_speed_on_either_malloc():
+    def report(speed: float) -> dict:
+        return {"train": [{"key": "c", "row": "ours", "tokens_per_s": speed}]}
+
+    table = allocators.summary({"glibc": [report(100), report(110), report(90)], "mimalloc": [report(99), report(120)]})
+    assert table == [{"row": "c. ours", "glibc": 100, "mimalloc": 109.5, "ratio": 1.095}]
+
+
+def test_allocators_refuses_a_host_without_mimalloc(monkeypatch):
+    monkeypatch.setattr(allocators, "mimalloc_library", lambda: None)
+    result = CliRunner().invoke(allocators.main, [])
+    assert result.exit_code == 1 and "mimalloc is not installed" in result.output

@@ -151,7 +151,7 @@ class Translator:
         bar = tqdm(
             total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1
         )
-        for batch, found in _searched(encoded, limits, rows, batch_tokens, self.device, run):
+        for batch, found in batched_search(encoded, limits, rows, batch_tokens, self.device, run):
             for i, hyps in zip(batch, found):
                 out[i] = [Translation(to_text(self.tgt_vocab, h.tokens), h.log_prob) for h in hyps]
                 self.tokens_out += len(hyps[0].tokens) + 1  # + </s>
@@ -239,7 +239,7 @@ def search_batches(
     </s>; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
     limits = [len(ids) + max_len_extra for ids in encoded]
     run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=1)
-    for batch, found in _searched(encoded, limits, beam, batch_tokens, device, run):
+    for batch, found in batched_search(encoded, limits, beam, batch_tokens, device, run):
         yield batch, [hyps[0].tokens for hyps in found]
 
 
@@ -248,7 +248,7 @@ def to_text(tgt_vocab, ids: list[int]) -> str:
     return detokenize(tgt_vocab.decode(ids))
 
 
-def _searched(
+def batched_search(
     encoded: list[list[int]], limits: list[int], rows: int, batch_tokens: int, device: torch.device, run
 ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
     """`run`'s hypotheses for the non-empty sources, in batches of about batch_tokens decoder tokens

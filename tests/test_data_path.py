@@ -1,0 +1,66 @@
+"""tokenize and build_vocab write, byte for byte, what the one-process code wrote before they split
+their work into chunks and workers: tests/golden/data_path.json holds the sha256 of every output on a
+small corpus, written by that code. `python tests/test_data_path.py` rewrites it with whatever
+`transformer` it imports (PYTHONPATH); do so only for a change meant to alter the outputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import toy_pairs
+
+from transformer import tokenize as tokenize_module
+from transformer.io import sha256_file
+from transformer.tokenize import tokenize_corpus
+from transformer.vocab import build_vocabs
+
+GOLDEN = Path(__file__).with_name("golden") / "data_path.json"
+MAX_LEN = 10
+# What spaCy and sentencepiece find hard: quotes, umlauts, ß, runs of spaces, empty and over-long lines.
+TRICKY = [
+    ("Sie sagt: „Guten Morgen!“", 'She says "good morning!"'),
+    ("Straße  und   Fußball, oder?", "Street  and   football, right?"),
+    ("Ärzte (mit Mütze) zahlen 2,50 €.", "Doctors (in caps) pay $2.50."),
+    ("", "An empty source."),
+    ("Ein Satz.", "   "),
+    (" ".join(["lang"] * 12) + ".", "Long."),
+    ("Er wartet – wie immer – am Bahnhof...", "He waits -- as always -- at the station..."),
+    ("geht's gut?", "it's fine, isn't it?"),
+]
+
+
+def _write_raw(raw: Path) -> None:
+    pairs = [pair for i, pair in enumerate(toy_pairs(300, seed=5)) for pair in [pair, TRICKY[i % len(TRICKY)]]]
+    raw.mkdir()
+    for split, rows in (("train", pairs), ("val", pairs[:40])):
+        for side, lang in enumerate(("de", "en")):
+            (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in rows), encoding="utf-8")
+
+
+def outputs(tmp: Path, **workers: int) -> dict:
+    """tokenize's counts, and the sha256 of each file tokenize and build_vocab (BPE and word) write."""
+    _write_raw(tmp / "raw")
+    found = {
+        "counts": tokenize_corpus(tmp / "raw", tmp / "tok", ["train", "val"], ("de", "en"), "train", MAX_LEN, **workers)
+    }
+    for kind in ("bpe", "word"):
+        build_vocabs(tmp / "tok", tmp / kind, ("de", "en"), kind, 100, 2, "train", "val", seed=1, **workers)
+    for directory in ("tok", "bpe", "word"):
+        found |= {f"{directory}/{p.name}": sha256_file(p) for p in sorted((tmp / directory).iterdir())}
+    return found
+
+
+def test_tokenize_and_build_vocab_write_the_golden_bytes(tmp_path):
+    assert outputs(tmp_path) == json.loads(GOLDEN.read_text(encoding="utf-8"))
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        found = outputs(Path(tmp))
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"{GOLDEN}: written with {tokenize_module.__file__}", file=sys.stderr)

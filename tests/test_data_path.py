@@ -6,13 +6,18 @@ small corpus, written by that code. `python tests/test_data_path.py` rewrites it
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import toy_pairs
 
 from transformer import tokenize as tokenize_module
+from transformer import vocab as vocab_module
+from transformer.errors import ConfigError
 from transformer.io import sha256_file
+from transformer.stage import WORKERS_ENV, workers
 from transformer.tokenize import tokenize_corpus
 from transformer.vocab import build_vocabs
 
@@ -52,8 +57,23 @@ def outputs(tmp: Path, **workers: int) -> dict:
     return found
 
 
-def test_tokenize_and_build_vocab_write_the_golden_bytes(tmp_path):
+def test_tokenize_and_build_vocab_write_the_golden_bytes_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(vocab_module, "ENCODE_CHUNK", 64)  # 10 chunks of train a side, and a short last one
     assert outputs(tmp_path) == json.loads(GOLDEN.read_text(encoding="utf-8"))
+
+
+def test_workers_are_the_usable_cores_unless_the_environment_names_a_number(monkeypatch):
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert workers() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert workers() == 3
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", ""])
+def test_a_worker_count_that_is_no_positive_number_is_a_config_error_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, value)
+    with pytest.raises(ConfigError, match=f"TRANSFORMER_WORKERS: .* got '{value}'"):
+        workers()
 
 
 if __name__ == "__main__":

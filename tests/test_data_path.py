@@ -44,22 +44,25 @@ def _write_raw(raw: Path) -> None:
             (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in rows), encoding="utf-8")
 
 
-def outputs(tmp: Path, **workers: int) -> dict:
+def outputs(tmp: Path, **workers: int) -> dict:  # no workers: the call the one-process code took
     """tokenize's counts, and the sha256 of each file tokenize and build_vocab (BPE and word) write."""
     _write_raw(tmp / "raw")
     found = {
         "counts": tokenize_corpus(tmp / "raw", tmp / "tok", ["train", "val"], ("de", "en"), "train", MAX_LEN, **workers)
     }
     for kind in ("bpe", "word"):
-        build_vocabs(tmp / "tok", tmp / kind, ("de", "en"), kind, 100, 2, "train", "val", seed=1, **workers)
+        threads = {"threads": workers["workers"]} if workers else {}
+        build_vocabs(tmp / "tok", tmp / kind, ("de", "en"), kind, 100, 2, "train", "val", seed=1, **threads)
     for directory in ("tok", "bpe", "word"):
         found |= {f"{directory}/{p.name}": sha256_file(p) for p in sorted((tmp / directory).iterdir())}
     return found
 
 
-def test_tokenize_and_build_vocab_write_the_golden_bytes_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(vocab_module, "ENCODE_CHUNK", 64)  # 10 chunks of train a side, and a short last one
-    assert outputs(tmp_path) == json.loads(GOLDEN.read_text(encoding="utf-8"))
+@pytest.mark.parametrize("workers", [1, 3])
+def test_tokenize_and_build_vocab_write_the_golden_bytes_in_chunks_and_workers(workers, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "CHUNK", 64)  # 10 chunks of train a side, and a short last one
+    monkeypatch.setattr(vocab_module, "ENCODE_CHUNK", 64)
+    assert outputs(tmp_path, workers=workers) == json.loads(GOLDEN.read_text(encoding="utf-8"))
 
 
 def test_workers_are_the_usable_cores_unless_the_environment_names_a_number(monkeypatch):

@@ -133,7 +133,9 @@ def read_json(path: Path | str) -> Any:
 
 
 def write_lines(path: Path | str, lines: list[str]) -> None:
-    write_text(path, "".join(line + "\n" for line in lines))
+    """write_text of the lines, each ended by a newline, streamed: not joined into one str first."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
 
 
 def read_lines(path: Path | str) -> list[str]:

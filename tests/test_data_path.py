@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,18 @@ def test_tokenize_and_build_vocab_write_the_golden_bytes_in_chunks_and_workers(w
     monkeypatch.setattr(tokenize_module, "CHUNK", 64)  # 10 chunks of train a side, and a short last one
     monkeypatch.setattr(vocab_module, "ENCODE_CHUNK", 64)
     assert outputs(tmp_path, workers=workers) == json.loads(GOLDEN.read_text(encoding="utf-8"))
+
+
+def _die(task):
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+
+
+@pytest.mark.timeout(120)
+def test_a_tokenize_worker_killed_midway_stops_the_stage_with_an_error_not_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "_tokenize_chunk", _die)
+    _write_raw(tmp_path / "raw")
+    with pytest.raises(BrokenProcessPool):
+        tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", MAX_LEN, workers=2)
 
 
 def test_workers_are_the_usable_cores_unless_the_environment_names_a_number(monkeypatch):

@@ -100,9 +100,12 @@ def _pool(langs: tuple[str, str], workers: int) -> Iterator[Any]:
         yield None
         return
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    # fork: the workers run spaCy's tokenizers only, never torch
-    with multiprocessing.get_context("fork").Pool(workers, _load_tokenizers, (langs,)) as pool:
+    # fork: the workers run spaCy's tokenizers only, never torch. An executor, not a Pool: a worker
+    # killed (out of memory) breaks it with an error, where a Pool waits for the lost chunk forever.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_load_tokenizers, initargs=(langs,)) as pool:
         yield pool
 
 
@@ -111,7 +114,7 @@ def _tokenized(tokenizer: Tokenizer, pool: Any, lines: list[str], path: Path) ->
     from tqdm import tqdm
 
     chunks = [(tokenizer.lang, lines[i : i + CHUNK]) for i in range(0, len(lines), CHUNK)]
-    parts = pool.imap(_tokenize_chunk, chunks) if pool else (list(tokenizer.pipe(chunk)) for _, chunk in chunks)
+    parts = pool.map(_tokenize_chunk, chunks) if pool else (list(tokenizer.pipe(chunk)) for _, chunk in chunks)
     out: list[str] = []
     with tqdm(total=len(lines), desc=path.name, unit="line", file=sys.stderr, mininterval=2, delay=5) as bar:
         for part in parts:

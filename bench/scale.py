@@ -26,7 +26,6 @@ It has WMT's sizes, not its text: spaCy and sentencepiece see simpler words than
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import random
@@ -40,6 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
 PRESET = ROOT / "params" / "wmt14_en_de_base.yaml"
 CORPUS = "synthetic_wmt14"
 SPLITS = {"val": 3000, "test2014": 3003}
@@ -84,9 +84,31 @@ def write_side(path: Path, lengths, lang: str, seed: int) -> None:
             f.write("\n".join(lines) + "\n")
 
 
+def generated(work: Path, pairs: int) -> dict[str, float]:
+    """generate(), unless `work` holds what this script wrote for `pairs` pairs already: the corpus depends
+    on nothing else (its seeds are fixed), and the download stage checks it against the registry's sha256.
+    Wall and CPU time, and whether it was reused."""
+    from transformer.io import sha256_file
+
+    stamp, key = work / "corpus.json", {"pairs": pairs, "script_sha256": sha256_file(__file__)}
+    start, cpu = time.perf_counter(), time.process_time()
+    reused = stamp.exists() and json.loads(stamp.read_text()) == key and (work / "corpora.yaml").exists()
+    if not reused:
+        stamp.unlink(missing_ok=True)  # written last: a generation cut short is never reused
+        generate(work, pairs)
+        stamp.write_text(json.dumps(key), encoding="utf-8")
+    return {
+        "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s": round(time.process_time() - cpu, 1),
+        "reused": reused,
+    }
+
+
 def generate(work: Path, pairs: int) -> Path:
     """The corpus files and a registry naming them (local paths, sha256 pinned); returns the registry."""
     import numpy as np
+
+    from transformer.io import sha256_file
 
     rng = np.random.default_rng(0)
     entry = {}
@@ -98,27 +120,21 @@ def generate(work: Path, pairs: int) -> Path:
             path = work / "corpus" / f"{split}.{lang}"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_side(path, lengths, lang, seed + 10 * len(entry))
-            entry[split][lang] = [{"path": str(path), "sha256": _sha256(path)}]
+            entry[split][lang] = [{"path": str(path), "sha256": sha256_file(path)}]
     registry = work / "corpora.yaml"
     registry.write_text(yaml.safe_dump({CORPUS: entry}), encoding="utf-8")
     return registry
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # Runs a script as its own __main__ and, at exit, reports its peak RSS (VmHWM: this process's
-# own, unlike ru_maxrss, which also counts the copy of the parent that fork made before exec).
+# own, unlike ru_maxrss, which also counts the copy of the parent that fork made before exec),
+# and the largest peak of the processes it started and waited for (tokenize's workers).
 _PEAK = (
-    "import atexit, runpy, sys\n"
+    "import atexit, resource, runpy, sys\n"
     "def peak():\n"
     "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
-    "    print('peak_kb', hwm.split()[1], file=sys.stderr)\n"
+    "    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+    "    print('peak_kb', hwm.split()[1], kids, file=sys.stderr)\n"
     "atexit.register(peak)\n"
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -136,13 +152,15 @@ def measured(args: list[str]) -> dict[str, float]:
     if os.waitstatus_to_exitcode(status):
         raise click.ClickException(f"{' '.join(args)} failed:\n{output[-3000:]}")
     lines = output.strip().splitlines()
-    peak_kb = int(next(line.split()[1] for line in lines if line.startswith("peak_kb")))
+    peak_kb, workers_kb = (int(kb) for kb in next(line for line in lines if line.startswith("peak_kb")).split()[1:])
     row = {
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_gb": round(peak_kb / 2**20, 2),
         "load_avg_1m": round(os.getloadavg()[0], 1),
     }
+    if workers_kb:  # a worker's pages shared with the stage's process count in both
+        row["worker_peak_rss_gb"] = round(workers_kb / 2**20, 2)
     extra = next((json.loads(line) for line in lines if line.startswith("{")), {})
     return row | extra
 
@@ -195,11 +213,14 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
         click.echo(json.dumps(startup(params_path, startup_of)))
         return
     from transformer.io import write_json
+    from transformer.presets import recipe
+    from transformer.stage import workers
     from transformer.system import hardware
 
     work.mkdir(parents=True, exist_ok=True)
-    rows = {"generate": {"wall_s": _timed(lambda: generate(work, pairs))}}
-    params = yaml.safe_load(PRESET.read_text())
+    load_before = round(os.getloadavg()[0], 1)
+    rows = {"generate": generated(work, pairs)}
+    params = recipe(PRESET.stem, ROOT)  # a preset holds only what it changes from params.yaml
     params["data"].update(corpus=CORPUS, registry=str(work / "corpora.yaml"))
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     p = ["--params", str(work / "params.yaml")]
@@ -225,6 +246,9 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
         "pairs": pairs,
         "hardware": hardware(),
         "cpu_flags": _cpu_flags(),
+        "workers": workers(),  # the stages' TRANSFORMER_WORKERS
+        "load_avg_1m_at_start": load_before,
+        "bench_peak_rss_gb": _own_peak_gb(),  # the generator's, mostly
         "stages": rows,
         "corpus_bytes": sum(f.stat().st_size for f in (work / "corpus").iterdir()),
     }
@@ -232,10 +256,9 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
     click.echo(json.dumps(report, indent=1))
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return round(time.perf_counter() - start, 1)
+def _own_peak_gb() -> float:
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+    return round(int(hwm.split()[1]) / 2**20, 2)
 
 
 def _cpu_flags() -> str:

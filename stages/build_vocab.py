@@ -6,7 +6,7 @@ import click
 
 from transformer.config import load_params
 from transformer.io import atomic_dir
-from transformer.stage import PARAMS, stage
+from transformer.stage import PARAMS, stage, workers
 from transformer.vocab import build_vocabs
 
 
@@ -20,7 +20,7 @@ def main(params_path: Path, tokenized: Path, out: Path) -> None:
     d, v = params.data, params.vocab
     with atomic_dir(out) as tmp:
         sizes = build_vocabs(
-            tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid, v.seed
+            tokenized, tmp, (d.src_lang, d.tgt_lang), v.kind, v.size, v.min_freq, "train", d.valid, v.seed, workers()
         )
     click.echo(f"{v.kind} vocabulary: {sizes['src_size']} source, {sizes['tgt_size']} target entries", err=True)
 

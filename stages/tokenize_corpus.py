@@ -6,7 +6,7 @@ import click
 
 from transformer.config import load_params
 from transformer.io import atomic_dir, write_json
-from transformer.stage import PARAMS, stage
+from transformer.stage import PARAMS, stage, workers
 from transformer.tokenize import tokenize_corpus
 
 
@@ -21,7 +21,7 @@ def main(params_path: Path, raw: Path, out: Path, report: Path) -> None:
     d = params.data
     splits = sorted({p.name.rsplit(".", 1)[0] for p in raw.glob(f"*.{d.src_lang}")})
     with atomic_dir(out) as tmp:
-        stats = tokenize_corpus(raw, tmp, splits, (d.src_lang, d.tgt_lang), "train", params.tokenize.max_len)
+        stats = tokenize_corpus(raw, tmp, splits, (d.src_lang, d.tgt_lang), "train", params.tokenize.max_len, workers())
     write_json(report, stats)
     click.echo(", ".join(f"{k}: {v}" for k, v in stats.items()), err=True)
 

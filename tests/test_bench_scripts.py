@@ -15,6 +15,7 @@ import allocators  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
 import rdrop_loss  # noqa: E402
+import scale  # noqa: E402
 import update_profile  # noqa: E402
 
 import bench  # noqa: E402
@@ -80,3 +81,14 @@ def test_allocators_refuses_a_host_without_mimalloc(monkeypatch):
     monkeypatch.setattr(allocators, "mimalloc_library", lambda: None)
     result = CliRunner().invoke(allocators.main, [])
     assert result.exit_code == 1 and "mimalloc is not installed" in result.output
+
+
+def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "TYPES", 500)  # invented words a language: 1,000,000 take seconds
+    scale.words.cache_clear()
+    try:
+        runs = [scale.generated(tmp_path, pairs) for pairs in (20, 20, 30)]
+    finally:
+        scale.words.cache_clear()
+    assert [run["reused"] for run in runs] == [False, True, False]
+    assert len((tmp_path / "corpus" / "train.en").read_text(encoding="utf-8").splitlines()) == 30

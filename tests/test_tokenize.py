@@ -157,7 +157,15 @@ def test_non_utf8_input_names_file_and_line(tmp_path):
     (raw / "train.en").write_text("A dog.\nA cat.\nTwo apples.\n", encoding="utf-8")
     with pytest.raises(DataError, match="not valid UTF-8") as e:
         tokenize_corpus(raw, tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
-    assert f"{raw / 'train.de'}:3" in str(e.value)
+    assert f"{raw / 'train.de'}:3: not valid UTF-8 (byte 0xe4 at offset 27)" in str(e.value)
+
+
+def test_read_lines_reads_a_line_at_a_time(tmp_path, monkeypatch):
+    """The whole file as bytes and as one str would triple its size at the peak (a WMT14 side: ~700 MB)."""
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"a\nb\n")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    assert read_lines(path) == ["a", "b"]
 
 
 def test_read_lines_keeps_empty_lines_and_strips_carriage_returns(tmp_path):

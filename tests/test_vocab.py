@@ -147,6 +147,24 @@ def test_encode_corpus_offsets_delimit_each_line():
     assert ids.dtype == torch.int32
 
 
+def test_encode_corpus_encodes_a_chunk_of_lines_at_a_time(monkeypatch):
+    """Only one chunk's ids are ever Python ints (~36 bytes an id), never the whole corpus's."""
+    vocab, seen = WordVocab.build(["a b c"], min_freq=1), []
+    monkeypatch.setattr(vocab_module, "ENCODE_CHUNK", 2)
+    monkeypatch.setattr(WordVocab, "encode_many", _counting(WordVocab.encode_many, seen))
+    ids, offsets = encode_corpus(vocab, ["a b", "", "c a b", "c", "b"])
+    assert seen == [2, 2, 1]
+    assert offsets.tolist() == [0, 2, 2, 5, 6, 7] and ids.tolist() == vocab.encode("a b c a b c b")
+
+
+def _counting(encode_many, seen: list[int]):
+    def counted(self, lines: list[str], threads: int = 1) -> list[list[int]]:
+        seen.append(len(lines))
+        return encode_many(self, lines, threads)
+
+    return counted
+
+
 def _tokenized_corpus(tok: Path) -> None:
     tok.mkdir()
     for split, n, seed in (("train", 300, 10), ("val", 12, 20)):

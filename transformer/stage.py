@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from transformer.errors import ERRORS
+from transformer.errors import ERRORS, ConfigError
 from transformer.io import write_json
 
 PARAMS = click.option(
@@ -43,6 +43,21 @@ def process_age() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+WORKERS_ENV = "TRANSFORMER_WORKERS"
+
+
+def workers() -> int:
+    """Processes or threads a data stage may use: $TRANSFORMER_WORKERS, else the cores this process may
+    run on. They change how soon the outputs come, never their bytes, so they are no param: as one, a
+    machine with other cores would make DVC rerun the stage and every stage after it."""
+    value = os.environ.get(WORKERS_ENV)
+    if value is None:
+        return len(os.sched_getaffinity(0))
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigError(f"${WORKERS_ENV}: expected a whole number of workers, 1 or more, got '{value}'")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,11 @@ the JOINER prefix ("Hello ￭, world"), so detokenize() can rebuild the original
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from transformer.io import DataError, read_lines, write_lines
 
@@ -17,6 +20,7 @@ class Tokenizer:
     def __init__(self, lang: str):
         import spacy
 
+        self.lang = lang
         try:
             self._tokenizer = spacy.blank(lang).tokenizer
         except (ImportError, KeyError) as e:
@@ -48,30 +52,87 @@ def detokenize(tokenized: str) -> str:
     return "".join(pieces)
 
 
+CHUNK = 10_000  # lines a worker tokenizes at a time
+
+
 def tokenize_corpus(
-    raw_dir: Path, out_dir: Path, splits: list[str], langs: tuple[str, str], train_split: str, max_len: int
+    raw_dir: Path,
+    out_dir: Path,
+    splits: list[str],
+    langs: tuple[str, str],
+    train_split: str,
+    max_len: int,
+    workers: int = 1,
 ) -> dict[str, int]:
-    """Tokenizes every split into out_dir; filters empty and over-long pairs from train only."""
-    tokenizers = {lang: Tokenizer(lang) for lang in langs}
+    """Tokenizes every split into out_dir; filters empty and over-long pairs from train only. `workers`
+    processes tokenize chunks of lines; the output is the same for any number."""
+    tokenizers = [Tokenizer(lang) for lang in langs]  # an unknown language fails here, in one process
     stats: dict[str, int] = {}
-    for split in splits:
-        paths = [raw_dir / f"{split}.{lang}" for lang in langs]
-        src_raw, tgt_raw = (read_lines(p) for p in paths)
-        if len(src_raw) != len(tgt_raw):
-            raise DataError(
-                f"{paths[0]}: has {len(src_raw)} lines, but {paths[1]} has {len(tgt_raw)}: the corpus is misaligned"
-            )
-        if not src_raw:
-            raise DataError(f"{paths[0]}: empty file (split '{split}')")
-        src = list(tokenizers[langs[0]].pipe(src_raw))
-        tgt = list(tokenizers[langs[1]].pipe(tgt_raw))
-        if split == train_split:
-            src, tgt, dropped = _filter(src, tgt, max_len, paths[0])
-            stats.update({f"{split}.dropped_{k}": v for k, v in dropped.items()})
-        stats[f"{split}.pairs"] = len(src)
-        write_lines(out_dir / f"{split}.{langs[0]}", src)
-        write_lines(out_dir / f"{split}.{langs[1]}", tgt)
+    with _pool(langs, workers) as pool:
+        for split in splits:
+            paths = [raw_dir / f"{split}.{lang}" for lang in langs]
+            src, tgt = _tokenized_pair(paths, tokenizers, pool, split)
+            if split == train_split:
+                src, tgt, dropped = _filter(src, tgt, max_len, paths[0])
+                stats.update({f"{split}.dropped_{k}": v for k, v in dropped.items()})
+            stats[f"{split}.pairs"] = len(src)
+            write_lines(out_dir / f"{split}.{langs[0]}", src)
+            write_lines(out_dir / f"{split}.{langs[1]}", tgt)
     return stats
+
+
+def _tokenized_pair(paths: list[Path], tokenizers: list[Tokenizer], pool: Any, split: str) -> list[list[str]]:
+    """Both sides of a split, tokenized; its raw text is let go on return."""
+    raw = [read_lines(p) for p in paths]
+    if len(raw[0]) != len(raw[1]):
+        raise DataError(
+            f"{paths[0]}: has {len(raw[0])} lines, but {paths[1]} has {len(raw[1])}: the corpus is misaligned"
+        )
+    if not raw[0]:
+        raise DataError(f"{paths[0]}: empty file (split '{split}')")
+    return [_tokenized(tokenizer, pool, lines, path) for tokenizer, lines, path in zip(tokenizers, raw, paths)]
+
+
+@contextlib.contextmanager
+def _pool(langs: tuple[str, str], workers: int) -> Iterator[Any]:
+    """A pool of `workers` processes with a tokenizer of each language, or None for one process."""
+    if workers <= 1:
+        yield None
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # fork: the workers run spaCy's tokenizers only, never torch. An executor, not a Pool: a worker
+    # killed (out of memory) breaks it with an error, where a Pool waits for the lost chunk forever.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_load_tokenizers, initargs=(langs,)) as pool:
+        yield pool
+
+
+def _tokenized(tokenizer: Tokenizer, pool: Any, lines: list[str], path: Path) -> list[str]:
+    """The lines tokenized, in their order, a chunk at a time (by the pool's workers, if any)."""
+    from tqdm import tqdm
+
+    chunks = [(tokenizer.lang, lines[i : i + CHUNK]) for i in range(0, len(lines), CHUNK)]
+    parts = pool.map(_tokenize_chunk, chunks) if pool else (list(tokenizer.pipe(chunk)) for _, chunk in chunks)
+    out: list[str] = []
+    with tqdm(total=len(lines), desc=path.name, unit="line", file=sys.stderr, mininterval=2, delay=5) as bar:
+        for part in parts:
+            out += part
+            bar.update(len(part))
+    return out
+
+
+_tokenizers: dict[str, Tokenizer] = {}  # a pool worker's, one a language
+
+
+def _load_tokenizers(langs: tuple[str, str]) -> None:
+    _tokenizers.update({lang: Tokenizer(lang) for lang in langs})
+
+
+def _tokenize_chunk(task: tuple[str, list[str]]) -> list[str]:
+    lang, lines = task
+    return list(_tokenizers[lang].pipe(lines))
 
 
 def _filter(src: list[str], tgt: list[str], max_len: int, where: Path) -> tuple[list[str], list[str], dict[str, int]]:

@@ -9,9 +9,11 @@ import functools
 import hashlib
 import heapq
 import io
+import itertools
 import math
 import pickle
 import random
+import sys
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -46,6 +48,9 @@ class WordVocab:
 
     def encode(self, tokenized: str) -> list[int]:
         return [self.stoi.get(t, UNK) for t in tokenized.split()]
+
+    def encode_many(self, lines: list[str], threads: int = 1) -> list[list[int]]:
+        return [self.encode(line) for line in lines]
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(self.itos[i] for i in ids if i >= len(SPECIALS))
@@ -107,6 +112,9 @@ class BpeVocab:
 
     def encode(self, tokenized: str) -> list[int]:
         return self.sp.encode(tokenized)
+
+    def encode_many(self, lines: list[str], threads: int = 1) -> list[list[int]]:
+        return self.sp.encode(lines, num_threads=threads)
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([i for i in ids if i >= len(SPECIALS)])
@@ -252,12 +260,28 @@ def load_vocabs(vocab_dir: Path | str) -> tuple[Vocab, Vocab]:
         ) from None
 
 
-def encode_corpus(vocab: Vocab, lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of every line, flat, with offsets: line i is ids[offsets[i]:offsets[i + 1]]."""
-    encoded = [vocab.encode(line) for line in lines]
-    lengths = torch.tensor([0] + [len(e) for e in encoded])
-    ids = torch.tensor([i for e in encoded for i in e], dtype=torch.int32)
-    return ids, torch.cumsum(lengths, 0)
+ENCODE_CHUNK = 20_000  # lines encoded at a time: only their ids are ever Python ints (~36 bytes an id)
+
+
+def encode_corpus(
+    vocab: Vocab, lines: list[str], threads: int = 1, label: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of every line, flat, with offsets: line i is ids[offsets[i]:offsets[i + 1]].
+
+    Each chunk of lines goes to int32 as soon as it is encoded, so memory follows the ids at 4 bytes
+    an id (twice that while the chunks are joined); `threads` encode a BPE chunk, `label` names the
+    progress bar, which shows once encoding has taken a few seconds."""
+    from tqdm import tqdm
+
+    lengths, parts = torch.zeros(len(lines) + 1, dtype=torch.int64), [torch.zeros(0, dtype=torch.int32)]
+    with tqdm(total=len(lines), desc=label, unit="line", file=sys.stderr, mininterval=2, delay=5) as bar:
+        for start in range(0, len(lines), ENCODE_CHUNK):
+            encoded = vocab.encode_many(lines[start : start + ENCODE_CHUNK], threads)
+            lengths[start + 1 : start + 1 + len(encoded)] = torch.tensor([len(e) for e in encoded])
+            flat = array("i", itertools.chain.from_iterable(encoded))
+            parts += [torch.frombuffer(flat, dtype=torch.int32)] if flat else []
+            bar.update(len(encoded))
+    return torch.cat(parts), torch.cumsum(lengths, 0)
 
 
 SAMPLE_CHUNK = 10_000  # lines per seeded piece of work
@@ -336,25 +360,37 @@ def build_vocabs(
     train: str,
     valid: str,
     seed: int,
+    threads: int = 1,
 ) -> dict[str, int]:
-    """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays."""
-    train_src, train_tgt = (read_lines(tok_dir / f"{train}.{lang}") for lang in langs)
+    """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays;
+    `threads` encode with BPE (they do not change the ids)."""
+    train_lines = _read_pair(tok_dir, train, langs)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bpe":
-        src = tgt = BpeVocab.train(train_src + train_tgt, size, seed)
+        src = tgt = BpeVocab.train(train_lines[0] + train_lines[1], size, seed)
     else:
-        src, tgt = WordVocab.build(train_src, min_freq), WordVocab.build(train_tgt, min_freq)
+        src, tgt = WordVocab.build(train_lines[0], min_freq), WordVocab.build(train_lines[1], min_freq)
     save_vocabs(out_dir, src, tgt)
-    for split in (train, valid):
-        paths = [tok_dir / f"{split}.{lang}" for lang in langs]
-        src_lines, tgt_lines = (read_lines(path) for path in paths)
-        if len(src_lines) != len(tgt_lines):
-            raise DataError(
-                f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned"
-            )
-        src_ids, src_off = encode_corpus(src, src_lines)
-        tgt_ids, tgt_off = encode_corpus(tgt, tgt_lines)
-        save_torch(
-            {"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, out_dir / f"{split}.pt"
-        )
+    _save_ids(out_dir / f"{train}.pt", train_lines, (src, tgt), langs, threads)
+    del train_lines  # the bulk of this stage's memory: read once, and let go before valid is read
+    _save_ids(out_dir / f"{valid}.pt", _read_pair(tok_dir, valid, langs), (src, tgt), langs, threads)
     return {"src_size": len(src), "tgt_size": len(tgt)}
+
+
+def _read_pair(tok_dir: Path, split: str, langs: tuple[str, str]) -> tuple[list[str], list[str]]:
+    paths = [tok_dir / f"{split}.{lang}" for lang in langs]
+    src_lines, tgt_lines = (read_lines(path) for path in paths)
+    if len(src_lines) != len(tgt_lines):
+        raise DataError(
+            f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned"
+        )
+    return src_lines, tgt_lines
+
+
+def _save_ids(
+    path: Path, lines: tuple[list[str], list[str]], vocabs: tuple[Vocab, Vocab], langs: tuple[str, str], threads: int
+) -> None:
+    (src_ids, src_off), (tgt_ids, tgt_off) = (
+        encode_corpus(vocab, side, threads, f"{path.stem}.{lang}") for vocab, side, lang in zip(vocabs, lines, langs)
+    )
+    save_torch({"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, path)

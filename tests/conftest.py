@@ -413,6 +413,16 @@ def write_params(directory: Path, **overrides) -> Path:
     return path
 
 
+def torchrun(nnodes: int, nproc: int, node_rank: int = 0, port: int | None = None) -> list[str]:
+    """torchrun's command line; with `port`, node `node_rank` of torchrun's static rendezvous, which
+    node 0 hosts on 127.0.0.1:port, as docs/scale.md has nodes meet (node ranks as given, whichever
+    node starts first)."""
+    cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    if port is not None:
+        cmd += ["--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return cmd
+
+
 def train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
     """stages/train.py's arguments for a vocab_dir-style toy corpus, outputs under `out`, no tracking."""
     return [

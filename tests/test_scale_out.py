@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 from conftest import (
-    BIN,
     ROOT,
     free_port,
     run,
     tgz,
     tiny_params,
     tool_env,
+    torchrun,
     toy_pairs,
     train_cmd,
     train_outputs,
@@ -57,22 +57,6 @@ def _env(**extra: str) -> dict:
     """One thread per process, as torchrun sets for several processes a node and not for one:
     1 node x 2 processes and 2 nodes x 1 process then sum in the same order, bit for bit."""
     return tool_env(OMP_NUM_THREADS="1", **extra)
-
-
-def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
-    cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
-    if endpoint:
-        cmd += [
-            "--node-rank",
-            str(node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "scale",
-        ]
-    return cmd
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -117,7 +101,7 @@ def ddp_vocab(tmp_path_factory) -> Path:
 def ddp_reference(tmp_path_factory, ddp_vocab) -> Path:
     """One uninterrupted 2-process run with dropout: the weights every resumed run must end with."""
     out = tmp_path_factory.mktemp("scale_reference")
-    run(_torchrun(1, 2) + train_cmd(write_params(out, **DDP_RUN), ddp_vocab, out), ROOT, env=_env())
+    run(torchrun(1, 2) + train_cmd(write_params(out, **DDP_RUN), ddp_vocab, out), ROOT, env=_env())
     return out
 
 
@@ -125,7 +109,7 @@ def ddp_reference(tmp_path_factory, ddp_vocab) -> Path:
 def test_two_ranks_with_dropout_resume_after_kill_9_to_bit_identical_weights(tmp_path, ddp_vocab, ddp_reference):
     """Each rank draws its own dropout masks; after the resume each must continue its own stream."""
     params = write_params(tmp_path, **DDP_RUN)
-    cmd = _torchrun(1, 2) + train_cmd(params, ddp_vocab, tmp_path)
+    cmd = torchrun(1, 2) + train_cmd(params, ddp_vocab, tmp_path)
     job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_checkpoint(tmp_path / "ckpt", 8, [job])  # step 8: mid-epoch 2, after dropout on both ranks
     _kill_9([job])
@@ -149,10 +133,10 @@ def test_two_nodes_without_a_shared_disk_resume_after_kill_9_to_bit_identical_we
         write_params(node, **DDP_RUN | {"train.nproc": 1, "train.nnodes": 2})
 
     def start() -> list[subprocess.Popen]:
-        endpoint = f"127.0.0.1:{free_port()}"
+        port = free_port()
         return [
             subprocess.Popen(
-                _torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", node / "vocab", node),
+                torchrun(2, 1, i, port) + train_cmd(node / "params.yaml", node / "vocab", node),
                 cwd=ROOT,
                 env=_env(),
                 stdout=subprocess.PIPE,
@@ -181,10 +165,10 @@ def test_nodes_with_other_params_or_dvc_beyond_node_0_are_refused_at_start_up(tm
     nodes = [tmp_path / f"node{i}" for i in (0, 1)]
     write_params(nodes[0], **{"train.nnodes": 2})
     write_params(nodes[1], **{"train.nnodes": 2, "train.warmup": 50})
-    endpoint = f"127.0.0.1:{free_port()}"
+    port = free_port()
     jobs = [
         subprocess.Popen(
-            _torchrun(2, 1, i, endpoint) + train_cmd(node / "params.yaml", ddp_vocab, node),
+            torchrun(2, 1, i, port) + train_cmd(node / "params.yaml", ddp_vocab, node),
             cwd=ROOT,
             env=_env(DVC_STAGE="train"),
             stdout=subprocess.PIPE,
@@ -249,7 +233,7 @@ def test_final_upload_starts_after_every_rank_has_left_the_collectives(tmp_path,
     script = tmp_path / "train_with_recorder.py"
     script.write_text(FAKE_TRACKER)
     params = write_params(tmp_path, **{"train.nproc": 2, "train.epochs": 1, "train.max_steps": 2})
-    run(_torchrun(1, 2) + [str(script), str(tmp_path), str(params), str(ddp_vocab)], ROOT, env=_env())
+    run(torchrun(1, 2) + [str(script), str(tmp_path), str(params), str(ddp_vocab)], ROOT, env=_env())
     assert (tmp_path / "upload.txt").read_text() == "False True", "rank 0 uploaded while the process group was up"
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    BIN,
     ROOT,
     free_port,
     run,
     same_values,
     tiny_params,
     tool_env,
+    torchrun,
     train_cmd,
     train_outputs,
     write_params,
@@ -552,22 +552,6 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
     assert layers == {"encoder0", "decoder0", "decoder1"}  # N 1, decoder_N 2: trained as asked
 
 
-def _torchrun(nnodes: int, nproc: int, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
-    cmd = [str(BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
-    if endpoint:
-        cmd += [
-            "--node-rank",
-            str(node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "test",
-        ]
-    return cmd
-
-
 @pytest.mark.slow
 def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
     """Same global batches: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated (no dropout)."""
@@ -577,7 +561,7 @@ def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
     one = write_params(tmp_path / "one", **common, **{"train.accum": 2})
     two = write_params(tmp_path / "two", **common, **{"train.nproc": 2})
     run([sys.executable] + train_cmd(one, vocab_dir, tmp_path / "one"), ROOT)
-    run(_torchrun(1, 2) + train_cmd(two, vocab_dir, tmp_path / "two"), ROOT)
+    run(torchrun(1, 2) + train_cmd(two, vocab_dir, tmp_path / "two"), ROOT)
     _assert_same_training(_final_weights(tmp_path / "one"), _final_weights(tmp_path / "two"))
     moved = checkpoints.load(checkpoints.listed(tmp_path / "one" / "ckpt")[-1])["step"]
     assert moved == 6
@@ -590,14 +574,14 @@ def test_two_processes_train_like_one_with_accumulation(tmp_path, vocab_dir):
 
 @pytest.mark.slow
 def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
-    """2 nodes x 1 process through c10d rendezvous on 127.0.0.1 train like 2 local processes."""
+    """2 nodes x 1 process through a static rendezvous on 127.0.0.1 train like 2 local processes."""
     common = {"train.epochs": 1, "train.max_steps": 4, "model.dropout": 0.0, "train.nnodes": 2}
     params = write_params(tmp_path, **common)
-    endpoint = f"127.0.0.1:{free_port()}"
+    port = free_port()
     env = tool_env()
     nodes = [
         subprocess.Popen(
-            _torchrun(2, 1, rank, endpoint) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
+            torchrun(2, 1, rank, port) + train_cmd(params, vocab_dir, tmp_path / "nodes"),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -611,7 +595,7 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     local = tmp_path / "local"
     local.mkdir()
     run(
-        _torchrun(1, 2)
+        torchrun(1, 2)
         + train_cmd(write_params(local, **common | {"train.nnodes": 1, "train.nproc": 2}), vocab_dir, local),
         ROOT,
     )
@@ -766,7 +750,7 @@ def test_patience_counts_validations_from_before_a_resume(tmp_path, vocab_dir):
 def test_two_processes_stop_early_together(tmp_path, vocab_dir):
     """Rank 0 validates and decides; a rank that missed the decision would wait forever in its next update."""
     params = _stalled(tmp_path, **{"train.nproc": 2})
-    result = run(_torchrun(1, 2) + train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
+    result = run(torchrun(1, 2) + train_cmd(params, vocab_dir, tmp_path), ROOT, timeout=240)
     assert "stopping early" in result.stderr
     assert [r["epoch"] for r in _validations(tmp_path)] == [1, 2, 3]
 

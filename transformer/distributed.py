@@ -81,16 +81,31 @@ def die_with_launcher() -> None:
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
-    """precision auto on a CPU: bf16 where the cores have bf16 instructions and torch may use them.
-    torch names AVX512 on AVX-512 cores with or without bf16, so /proc/cpuinfo decides there; with
-    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a small fraction
-    of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
+    """precision auto: bf16 where the hardware computes it natively. On a GPU, compute capability
+    8.0 on (Ampere's bf16 tensor cores); torch.cuda.is_bf16_supported() also counts older cards,
+    where torch emulates bf16 slower than fp32. On a CPU, where the cores have bf16 instructions
+    and torch may use them: torch names AVX512 on AVX-512 cores with or without bf16, so
+    /proc/cpuinfo decides there; with torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16
+    would be emulated at a small fraction of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     capability = torch.backends.cpu.get_cpu_capability()
     return capability in ("AVX512_BF16", "AMX") or (capability.startswith("AVX512") and _cpu_has("avx512_bf16"))
+
+
+def set_precision(precision: str, device: torch.device) -> bool:
+    """Whether to train in bf16 (use_bf16), and on a GPU the matmuls' precision to go with it:
+    fp32 runs multiply in TF32 (fp32's range, a 10-bit mantissa, on Ampere and later; older cards
+    ignore the flag), several times fp32's speed, as cuBLAS does by default on other frameworks.
+    CPUs are left alone: torch's global set_float32_matmul_precision would let oneDNN round
+    their fp32 matmuls too."""
+    bf16 = use_bf16(precision, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = not bf16
+        torch.backends.cudnn.allow_tf32 = not bf16
+    return bf16
 
 
 def _cpu_has(flag: str) -> bool:

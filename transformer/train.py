@@ -20,7 +20,7 @@ from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, Update, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
-from transformer.distributed import Dist, rank_seed, setup_distributed, use_bf16
+from transformer.distributed import Dist, rank_seed, set_precision, setup_distributed
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
@@ -269,7 +269,7 @@ class _Loop:
         self.split, self.valid, self.progress, self.tracker = setup.split, setup.valid, progress, tracker
         self.corpus = setup.split.fixed  # the current epoch's pairs
         self.out, self.ckpt_dir, self.meta = setup.out, setup.out.checkpoints, setup.meta
-        self.bf16 = use_bf16(self.p.precision, self.env.device)
+        self.bf16 = set_precision(self.p.precision, self.env.device)
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window

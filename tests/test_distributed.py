@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import BIN, ROOT, run, same_values, write_params
 
-from transformer import distributed
+from transformer import checkpoints, distributed
 
 GPU = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -35,3 +38,61 @@ def test_fp32_on_a_gpu_multiplies_in_tf32_and_bf16_runs_and_cpus_leave_it_alone(
     cpu_matmuls = torch.backends.mkldnn.matmul.fp32_precision
     assert distributed.set_precision("fp32", torch.device("cpu")) is False and tf32() == (False, False)
     assert torch.backends.mkldnn.matmul.fp32_precision == cpu_matmuls
+
+
+TWO_RANKS = """
+import json, os, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from transformer import train as training
+from transformer.config import load_params
+
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+inits, models = [], []
+init_process_group, make_model = dist.init_process_group, training.make_model
+
+
+def counted(*args, **kwargs):
+    inits.append(1)
+    return init_process_group(*args, **kwargs)
+
+
+def kept(**config):
+    models.append(make_model(**config))
+    return models[-1]
+
+
+dist.init_process_group, training.make_model = counted, kept
+reports = out / "reports"
+outputs = training.Outputs(out / "ckpt", reports / "steps.tsv", reports / "epochs.tsv", reports / "train.json")
+training.train_members(load_params(sys.argv[2]), Path(sys.argv[3]), outputs)
+torch.save([m.state_dict() for m in models], out / f"weights.{rank}.pt")
+(out / f"report.{rank}.json").write_text(json.dumps({"inits": len(inits), "group_left": not dist.is_initialized()}))
+"""
+
+
+def test_two_gloo_ranks_train_every_member_in_one_process_group_to_equal_weights(tmp_path, vocab_dir):
+    """train.members 2 under DDP: one process group for both members (NCCL's cannot be re-created
+    safely in one process), left once both are trained; each member's weights equal on both ranks."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    common = {"train.epochs": 1, "train.max_steps": 3, "model.dropout": 0.1, "train.members": 2, "train.nproc": 2}
+    params = write_params(tmp_path, **common)
+    torchrun = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2"]
+    run(
+        torchrun + [str(script), str(tmp_path), str(params), str(vocab_dir)],
+        ROOT,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=120,  # a group destroyed and re-created in one process hangs: fail in minutes
+    )
+    reports = [json.loads((tmp_path / f"report.{r}.json").read_text()) for r in (0, 1)]
+    assert reports == [{"inits": 1, "group_left": True}] * 2
+    weights = [torch.load(tmp_path / f"weights.{r}.pt") for r in (0, 1)]
+    assert len(weights[0]) == 2 and all(same_values(a, b) for a, b in zip(*weights))
+    assert not same_values(weights[0][0], weights[0][1])  # two seeds, two models
+    for k, where in enumerate((tmp_path / "ckpt", tmp_path / "ckpt" / "seed2")):
+        final = checkpoints.load(checkpoints.listed(where)[-1])
+        assert final["step"] == 3 and same_values(final["model"], weights[0][k])

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,19 @@ def setup_distributed(nproc: int, nnodes: int) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(rank, world, device)
+
+
+@contextlib.contextmanager
+def process_group(nproc: int, nnodes: int) -> Iterator[Dist]:
+    """setup_distributed for the body, then, once it has finished, the process group left by every
+    rank together. One group serves every run trained in the body (an ensemble's members): torch
+    cannot safely destroy and re-create an NCCL group in one process. A body that fails leaves the
+    group to the dying process, as other ranks may no longer answer a barrier."""
+    env = setup_distributed(nproc, nnodes)
+    yield env
+    if env.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def rank_seed(seed: int, rank: int) -> int:

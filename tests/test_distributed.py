@@ -46,12 +46,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from transformer import train as training
 from transformer.config import load_params
 
 out, rank = Path(sys.argv[1]), os.environ["RANK"]
-inits, models = [], []
+inits, models, bf16_grads = [], [], []
 init_process_group, make_model = dist.init_process_group, training.make_model
 
 
@@ -65,21 +66,32 @@ def kept(**config):
     return models[-1]
 
 
+def rounded_to_bf16(optimizer, args, kwargs):
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    bf16_grads.append(all(torch.equal(g, g.bfloat16().float()) for g in grads))
+
+
 dist.init_process_group, training.make_model = counted, kept
+register_optimizer_step_pre_hook(rounded_to_bf16)
 reports = out / "reports"
 outputs = training.Outputs(out / "ckpt", reports / "steps.tsv", reports / "epochs.tsv", reports / "train.json")
 training.train_members(load_params(sys.argv[2]), Path(sys.argv[3]), outputs)
 torch.save([m.state_dict() for m in models], out / f"weights.{rank}.pt")
-(out / f"report.{rank}.json").write_text(json.dumps({"inits": len(inits), "group_left": not dist.is_initialized()}))
+report = {"inits": len(inits), "group_left": not dist.is_initialized(), "bf16_grads": bf16_grads}
+(out / f"report.{rank}.json").write_text(json.dumps(report))
 """
 
 
-def test_two_gloo_ranks_train_every_member_in_one_process_group_to_equal_weights(tmp_path, vocab_dir):
+def test_two_gloo_ranks_train_every_member_in_one_process_group_to_equal_weights_with_bf16_gradients(
+    tmp_path, vocab_dir
+):
     """train.members 2 under DDP: one process group for both members (NCCL's cannot be re-created
-    safely in one process), left once both are trained; each member's weights equal on both ranks."""
+    safely in one process), left once both are trained; with train.ddp_bf16_grads every update
+    steps on gradients rounded to bf16, and each member's weights stay equal on both ranks."""
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
     common = {"train.epochs": 1, "train.max_steps": 3, "model.dropout": 0.1, "train.members": 2, "train.nproc": 2}
+    common["train.ddp_bf16_grads"] = True
     params = write_params(tmp_path, **common)
     torchrun = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2"]
     run(
@@ -89,7 +101,7 @@ def test_two_gloo_ranks_train_every_member_in_one_process_group_to_equal_weights
         timeout=120,  # a group destroyed and re-created in one process hangs: fail in minutes
     )
     reports = [json.loads((tmp_path / f"report.{r}.json").read_text()) for r in (0, 1)]
-    assert reports == [{"inits": 1, "group_left": True}] * 2
+    assert reports == [{"inits": 1, "group_left": True, "bf16_grads": [True] * 6}] * 2  # 2 members x 3 updates
     weights = [torch.load(tmp_path / f"weights.{r}.pt") for r in (0, 1)]
     assert len(weights[0]) == 2 and all(same_values(a, b) for a, b in zip(*weights))
     assert not same_values(weights[0][0], weights[0][1])  # two seeds, two models

@@ -22,7 +22,7 @@ from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, Update, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
-from transformer.distributed import Dist, process_group, rank_seed, set_precision
+from transformer.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
@@ -288,12 +288,7 @@ class _Loop:
     def __init__(self, setup: Setup, progress: Progress, tracker, started: float):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
         self.model, self.optimizer = setup.model, setup.optimizer
-        # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
-        ddp = (
-            nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
-            if self.env.world > 1
-            else self.model
-        )
+        ddp = wrap_ddp(self.model, self.p.ddp_bf16_grads) if self.env.world > 1 else self.model
         self.step_model = torch.compile(ddp) if self.p.compile else ddp
         self.split, self.valid, self.progress, self.tracker = setup.split, setup.valid, progress, tracker
         self.corpus = setup.split.fixed  # the current epoch's pairs

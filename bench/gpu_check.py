@@ -29,6 +29,7 @@ test can run it in seconds; its figures check the code, not a machine.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import re
 import signal
@@ -197,6 +198,8 @@ def train_row(size: str, compiled: bool, plan: Plan, work: Path) -> dict[str, An
     vocab, t = params.vocab.size, params.train
     corpus = wmt_shaped(work / f"{size}.pt", plan.pairs, vocab, params.tokenize.max_len)
     updates = updates_of(corpus, t.max_tokens, t.accum, plan.warmup + 250, plan.device)
+    torch._dynamo.reset()  # the rows before: their compiled graphs hold their models, which would count
+    gc.collect()
     update, bf16 = update_step(params, vocab, plan.device, compiled, plan.backend)
     if plan.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(plan.device)

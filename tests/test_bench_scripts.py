@@ -1,6 +1,7 @@
 """The scripts beside bench/bench.py run end to end, on its synthetic corpus and a tiny model;
 their timings are not checked, only that each row is measured and printed."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import allocators  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
+import gpu_check  # noqa: E402
 import rdrop_loss  # noqa: E402
 import scale  # noqa: E402
 import update_profile  # noqa: E402
@@ -92,3 +94,34 @@ def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(t
         scale.words.cache_clear()
     assert [run["reused"] for run in runs] == [False, True, False]
     assert len((tmp_path / "corpus" / "train.en").read_text(encoding="utf-8").splitlines()) == 30
+
+
+@pytest.mark.slow  # about 70 CPU seconds, most of them torch.compile's tracing of the two compiled rows
+def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_and_a_bit_identical_resume(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(gpu_check, "CUDA_TESTS", ("tests/test_distributed.py",))  # their CPU halves: seconds
+    out = run(gpu_check.main, ["--dry-run", "--out", str(tmp_path / "report.json")])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"machine", "tests", "peak_tflops", "train", "resume", "runtime_s", "flops_formula"} <= set(report)
+    assert report["tests"]["exit_code"] == 0 and report["tests"]["counts"]["passed"] >= 2
+    rows = {(r["size"], r["compile"]): r for r in report["train"]}
+    assert set(rows) == {(size, compiled) for size in ("base", "big") for compiled in (False, True)}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["ms_per_update"] > 0 and 0 <= r["waits_on_host_share"] <= 1
+        assert r["tokens_per_s"] * r["ms_per_update"] / 1000 <= r["accum"] * r["max_tokens"]  # padded cap
+        peak = report["peak_tflops"][r["dtype"]] * 1e12
+        assert 0 < r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / peak, rel=0.05)
+        assert any("mm" in k for k in r["top_kernels"]) and r["attention_kernels"]
+    assert rows["big", False]["flops_per_token"] > rows["base", False]["flops_per_token"]  # bench's count: wider
+    resume = report["resume"]
+    assert resume["killed_at_step"] and resume["killed_at_step"] < resume["steps"] and resume["bit_identical"]
+    assert "resume after kill -9: largest weight difference 0" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")
+def test_gpu_check_without_a_gpu_or_dry_run_stops_with_one_line(tmp_path):
+    result = CliRunner().invoke(gpu_check.main, ["--out", str(tmp_path / "report.json")])
+    assert result.exit_code == 1 and result.output.startswith("Error: no CUDA device")
+    assert result.output.count("\n") == 1
+    assert not (tmp_path / "report.json").exists()

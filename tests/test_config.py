@@ -121,6 +121,7 @@ def test_missing_section_is_rejected_by_name():
         ("model", "tie_embeddings", "yes"),
         ("model", "dropout", "0.1"),
         ("train", "compile", 1),
+        ("train", "ddp_bf16_grads", "false"),
         ("data", "src_lang", 7),
         ("decode", "testsets", "val"),
         ("decode", "testsets", ["val", 2]),

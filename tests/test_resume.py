@@ -85,6 +85,15 @@ def test_the_split_of_an_updates_micro_batches_is_not_part_of_the_run_but_their_
     assert comparable(_identity(nproc=1, accum=2, warmup=123)) != one
 
 
+def test_a_checkpoint_written_before_ddp_bf16_grads_continues_as_the_fp32_all_reduce_it_trained_with():
+    fp32 = _identity(ddp_bf16_grads=False)
+    before = fp32 | {"params": fp32["params"] | {"train": dict(fp32["params"]["train"])}}
+    del before["params"]["train"]["ddp_bf16_grads"]
+    assert comparable(before) == comparable(fp32)
+    assert comparable(before) != comparable(_identity(ddp_bf16_grads=True))  # rounded gradients: another run
+    assert training_params(before["params"]) == fp32["params"]  # an ensemble member of such a checkpoint too
+
+
 def _checkpoint(identity, step, epoch, bleus=()):
     history = [{"step": 10 * (i + 1), "val_bleu": b} for i, b in enumerate(bleus)]
     return {"identity": identity, "step": step, "epoch": epoch, "history": {"epochs": history}}

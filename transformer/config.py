@@ -80,6 +80,7 @@ class TrainConfig:
     )
     precision: str
     compile: bool
+    ddp_bf16_grads: bool  # under DDP, gradients all-reduced in bf16 (half the bytes, rounded); false: fp32
     save_every: int
     keep: int
     max_steps: int
@@ -341,11 +342,16 @@ def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
+# train keys added since checkpoints were first written, with the value that trains as those
+# checkpoints' runs did: a run written before a key resumes, or joins an ensemble, under it.
+ADDED_TRAIN_KEYS = {"ddp_bf16_grads": False}
+
+
 def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The params (as Params.to_dict() gives them) that a resumed run, or each member of an ensemble,
     must share: TRAIN_SECTIONS without train.members, since training sees one member at a time (and
-    a file written before ensembles lacks it)."""
-    train = {k: v for k, v in params["train"].items() if k != "members"}
+    a file written before ensembles lacks it); a key of ADDED_TRAIN_KEYS that a file lacks has its value there."""
+    train = ADDED_TRAIN_KEYS | {k: v for k, v in params["train"].items() if k != "members"}
     return {s: params[s] for s in TRAIN_SECTIONS} | {"train": train}
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,40 @@ def setup_distributed(nproc: int, nnodes: int) -> Dist:
     return Dist(rank, world, device)
 
 
+@contextlib.contextmanager
+def process_group(nproc: int, nnodes: int) -> Iterator[Dist]:
+    """setup_distributed for the body, then, once it has finished, the process group left by every
+    rank together. One group serves every run trained in the body (an ensemble's members): torch
+    cannot safely destroy and re-create an NCCL group in one process. A body that fails leaves the
+    group to the dying process, as other ranks may no longer answer a barrier."""
+    env = setup_distributed(nproc, nnodes)
+    yield env
+    if env.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: torch.nn.Module, bf16_grads: bool) -> torch.nn.parallel.DistributedDataParallel:
+    """`model` under DDP in the default process group. Its only buffer is the positional table, the
+    same everywhere: no need to broadcast it each step. Gradients are views into DDP's all-reduce
+    buckets, so they take no second copy of their memory and no copy each update. With
+    `bf16_grads`, each bucket is all-reduced in bf16 and the mean cast back to fp32: half the bytes
+    over the links, which counts across nodes, for gradients rounded to bf16's 8-bit mantissa."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    if bf16_grads:
+        ddp.register_comm_hook(None, bf16_all_reduce)  # None: the default group
+    return ddp
+
+
+def bf16_all_reduce(group, bucket):  # DDP checks the annotations as objects, and this module's are strings
+    """torch's DDP bf16_compress_hook under another name: register_comm_hook refuses that hook, by
+    its name, outside NCCL, and gloo all-reduces bf16 as well, so CPU runs (and the tests) take the
+    very path GPU runs take. (group: a ProcessGroup or None; bucket: a GradBucket; a Future back.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, group, bucket)
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of a rank's random stream (dropout's masks): train.seed itself on rank 0, so one
     process trains as it always has; a stream of its own on every other rank."""
@@ -81,16 +116,31 @@ def die_with_launcher() -> None:
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
-    """precision auto on a CPU: bf16 where the cores have bf16 instructions and torch may use them.
-    torch names AVX512 on AVX-512 cores with or without bf16, so /proc/cpuinfo decides there; with
-    torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16 would be emulated at a small fraction
-    of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
+    """precision auto: bf16 where the hardware computes it natively. On a GPU, compute capability
+    8.0 on (Ampere's bf16 tensor cores); torch.cuda.is_bf16_supported() also counts older cards,
+    where torch emulates bf16 slower than fp32. On a CPU, where the cores have bf16 instructions
+    and torch may use them: torch names AVX512 on AVX-512 cores with or without bf16, so
+    /proc/cpuinfo decides there; with torch held below AVX-512 (ATEN_CPU_CAPABILITY=avx2) bf16
+    would be emulated at a small fraction of fp32's speed (`bench.py --quick`'s bf16 rows show it), so fp32."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     capability = torch.backends.cpu.get_cpu_capability()
     return capability in ("AVX512_BF16", "AMX") or (capability.startswith("AVX512") and _cpu_has("avx512_bf16"))
+
+
+def set_precision(precision: str, device: torch.device) -> bool:
+    """Whether to train in bf16 (use_bf16), and on a GPU the matmuls' precision to go with it:
+    fp32 runs multiply in TF32 (fp32's range, a 10-bit mantissa, on Ampere and later; older cards
+    ignore the flag), several times fp32's speed, as cuBLAS does by default on other frameworks.
+    CPUs are left alone: torch's global set_float32_matmul_precision would let oneDNN round
+    their fp32 matmuls too."""
+    bf16 = use_bf16(precision, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = not bf16
+        torch.backends.cudnn.allow_tf32 = not bf16
+    return bf16
 
 
 def _cpu_has(flag: str) -> bool:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from transformer import checkpoints
 from transformer.attention import attention_kernels
 from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, Update, epoch_steps, token_batches
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
-from transformer.distributed import Dist, rank_seed, setup_distributed, use_bf16
+from transformer.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
@@ -70,7 +72,24 @@ def train(
     `tokenized`: the tokenize stage's directory, read when train.bpe_dropout > 0. With the raw
     reference translations of the validation split, each validation also measures greedy BLEU."""
     started = time.perf_counter()
-    env = setup_distributed(params.train.nproc, params.train.nnodes)
+    with process_group(params.train.nproc, params.train.nnodes) as env:
+        summary, upload = _train(params, env, vocab_dir, out, tracker_factory, tokenized, references, started)
+    upload()
+    return summary
+
+
+def _train(
+    params: Params,
+    env: Dist,
+    vocab_dir: Path,
+    out: Outputs,
+    tracker_factory,
+    tokenized: Path | None,
+    references: Path | None,
+    started: float,
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """train() inside a process group: the run's summary, and rank 0's uploads to call once every
+    rank has left the group (an upload may outlast a collective's timeout)."""
     if env.device.type == "cpu":
         keep_freed_memory()
     p = params.train
@@ -119,16 +138,19 @@ def train(
         if tracker:
             tracker.end("FAILED")
         raise
-    if env.world > 1:  # the collective work ends before the upload, which may outlast the collective timeout
-        dist.barrier()
-        dist.destroy_process_group()
-    if tracker:
-        tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
-        final = checkpoints.listed(out.checkpoints)
-        if final:
-            tracker.log_artifact(final[-1], "checkpoints")
+    if tracker:  # flushes the queued metrics and stops watching the system before the next member trains
         tracker.end()
-    return summary
+    return summary, functools.partial(_upload, tracker, vocab_dir, out.checkpoints)
+
+
+def _upload(tracker, vocab_dir: Path, ckpt_dir: Path) -> None:
+    """Rank 0's files of a trained run in MLflow: the vocabulary and the final checkpoint."""
+    if tracker is None:
+        return
+    tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+    final = checkpoints.listed(ckpt_dir)
+    if final:
+        tracker.log_artifact(final[-1], "checkpoints")
 
 
 def make_optimizer(model: nn.Module, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
@@ -156,14 +178,21 @@ def train_members(
 ) -> list[dict[str, Any]]:
     """Trains (or resumes) the train.members models in turn, member k exactly as a single run with
     seed train.seed + k, where Outputs.member says. Their summaries, in member order."""
-    seeds = params.train.member_seeds()
-    summaries = []
-    for k, seed in enumerate(seeds):
-        member = dataclasses.replace(params, train=dataclasses.replace(params.train, seed=seed, members=1))
-        outputs = out.member(k, seed)
-        if len(seeds) > 1:
-            print(f"member {k + 1} of {len(seeds)}: seed {seed}, in {outputs.checkpoints}", file=sys.stderr, flush=True)
-        summaries.append(train(member, vocab_dir, outputs, tracker_factory, tokenized, references))
+    seeds, p = params.train.member_seeds(), params.train
+    summaries, uploads = [], []
+    with process_group(p.nproc, p.nnodes) as env:  # one group for every member
+        for k, seed in enumerate(seeds):
+            member = dataclasses.replace(params, train=dataclasses.replace(p, seed=seed, members=1))
+            outputs = out.member(k, seed)
+            if len(seeds) > 1 and env.main:
+                where = f"seed {seed}, in {outputs.checkpoints}"
+                print(f"member {k + 1} of {len(seeds)}: {where}", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            summary, upload = _train(member, env, vocab_dir, outputs, tracker_factory, tokenized, references, started)
+            summaries.append(summary)
+            uploads.append(upload)
+    for upload in uploads:
+        upload()
     return summaries
 
 
@@ -260,17 +289,12 @@ class _Loop:
     def __init__(self, setup: Setup, progress: Progress, tracker, started: float):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
         self.model, self.optimizer = setup.model, setup.optimizer
-        # The only buffer is the positional table, the same everywhere: no need to broadcast it each step.
-        ddp = (
-            nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
-            if self.env.world > 1
-            else self.model
-        )
+        ddp = wrap_ddp(self.model, self.p.ddp_bf16_grads) if self.env.world > 1 else self.model
         self.step_model = torch.compile(ddp) if self.p.compile else ddp
         self.split, self.valid, self.progress, self.tracker = setup.split, setup.valid, progress, tracker
         self.corpus = setup.split.fixed  # the current epoch's pairs
         self.out, self.ckpt_dir, self.meta = setup.out, setup.out.checkpoints, setup.meta
-        self.bf16 = use_bf16(self.p.precision, self.env.device)
+        self.bf16 = set_precision(self.p.precision, self.env.device)
         self.pending: list[tuple[int, int, torch.Tensor, int, float]] = []  # step, batch, loss sum, tokens, lr
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window

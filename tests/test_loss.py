@@ -171,7 +171,7 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad, fused):
     tgt_out[0, 2] = PAD
 
     got = rdrop_loss(model, hidden, tgt_out, PAD, smoothing, alpha=5.0, zero_pad=zero_pad)
-    (got_grad,) = torch.autograd.grad(2.5 * got, hidden)
+    got_grad, *got_generator = torch.autograd.grad(2.5 * got, (hidden, generator.weight, generator.bias))
 
     keep = (tgt_out != PAD).flatten()
     logits = generator(hidden.flatten(0, 1)).view(2, rows, vocab)[:, keep]  # (2 passes, kept rows, V)
@@ -187,12 +187,14 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad, fused):
     p, q = log_probs
     kl = ((p.exp() - q.exp()) * (p - q)).sum()
     expected = ce.mean() + 5.0 / 4 * kl
-    (expected_grad,) = torch.autograd.grad(2.5 * expected, hidden)
+    expected_grad, *expected_generator = torch.autograd.grad(2.5 * expected, (hidden, generator.weight, generator.bias))
 
     assert float(got.detach()) == pytest.approx(
         float(expected.detach()), rel=1e-6
     )  # the logits are float32 (as under autocast)
     assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+    for got_part, expected_part in zip(got_generator, expected_generator):  # the weight's and the bias's
+        assert torch.allclose(got_part, expected_part, rtol=1e-4, atol=1e-6)
     assert float(expected_grad[:, 2].abs().max()) == 0.0  # the pad position
 
     # In float64, from the logits on, with the pad row kept (as on a GPU): to rounding.
@@ -295,15 +297,19 @@ LOSSES = {
 }
 
 
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["real rows", "pad rows too"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk", [1, 7 * FUSED_VOCAB, 1 << 40], ids=["a row", "7 rows", "one chunk"])
 @pytest.mark.parametrize("loss", LOSSES)
-def test_fused_loss_and_its_gradients_are_the_whole_ones(monkeypatch, loss, chunk, bf16):
+def test_fused_loss_and_its_gradients_are_the_whole_ones(monkeypatch, loss, chunk, bf16, pad_rows):
     """The generator and loss fused, a chunk of rows at a time (one row or pair, 7 rows or 3 pairs of
-    23, or all), give the whole loss's value and gradients: to float32's rounding, or under bf16
+    23, or all), on the real tokens alone (a CPU's rows) or with the pad positions (an accelerator's,
+    which the loss ignores), give the whole loss's value and gradients: to float32's rounding, or under bf16
     autocast to a few roundings of its bf16 matmuls. There the value stays close (both take their
     logits in bf16) and the gradients of hidden and of the tied weight are compared: a bf16 model's
     backward magnifies the roundings on the way to the encoder's first norm."""
+    if pad_rows:
+        monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
     whole, expected = _loss_and_gradients(monkeypatch, False, chunk, bf16, **LOSSES[loss])
     fused, got = _loss_and_gradients(monkeypatch, True, chunk, bf16, **LOSSES[loss])
     assert float(fused) == pytest.approx(float(whole), rel=1e-5 if bf16 else 1e-6)

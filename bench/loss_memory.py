@@ -17,7 +17,8 @@ inputs are made, the resident set read (VmRSS of /proc/self/status), one forward
 run, and the high-water mark of the resident set read (VmHWM). The peak is their difference:
 the most memory the call held at once beyond its inputs, gradients included, as the kernel
 counted the pages it touched (glibc hands freed blocks this large back at once). Then --reps
-more calls are timed, and the median printed. Linux only (/proc).
+more calls; every call is timed, the first too (it faults its memory in, as a training step's loss
+does after each release of freed memory), and the median printed. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def generator_only(d_model: int, vocab: int) -> nn.Module:
 
 
 def run_case(loss: str, path: str, bf16: bool, tokens: int, vocab: int, d_model: int, reps: int) -> dict:
-    """Peak MB beyond the inputs of one forward and backward, then the median seconds of --reps more."""
+    """Peak MB beyond the inputs of one forward and backward, and the median seconds of it and --reps more."""
     transformer.loss.FUSE_ABOVE = PATHS[path]
     g = torch.Generator().manual_seed(0)
     model = generator_only(d_model, vocab)
@@ -72,22 +73,19 @@ def run_case(loss: str, path: str, bf16: bool, tokens: int, vocab: int, d_model:
         value.backward()
         hidden.grad = model.generator.weight.grad = None
 
-    before = proc_mb("VmRSS")
-    call()
-    peak = proc_mb("VmHWM") - before
-    seconds = []
-    for _ in range(reps):
+    before, seconds = proc_mb("VmRSS"), []
+    for _ in range(1 + reps):
         start = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - start)
-    return {"peak_mb": peak, "s": statistics.median(seconds) if seconds else None}
+    return {"peak_mb": proc_mb("VmHWM") - before, "s": statistics.median(seconds)}
 
 
 @click.command()
 @click.option("--tokens", type=int, default=25_000, show_default=True, help="Target tokens (rows of logits).")
 @click.option("--vocab", type=int, default=37_000, show_default=True, help="The generator's vocabulary.")
 @click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--reps", type=int, default=2, show_default=True, help="Timed calls a case, after the measured one.")
+@click.option("--reps", type=int, default=2, show_default=True, help="Calls a case after the first; all are timed.")
 @click.option("--case", default=None, hidden=True, help="loss,path,precision: run one case here, print JSON.")
 def main(tokens: int, vocab: int, d_model: int, reps: int, case: str | None) -> None:
     """Prints peak MB and seconds a call, whole and fused; see the module docstring."""
@@ -110,7 +108,7 @@ def main(tokens: int, vocab: int, d_model: int, reps: int, case: str | None) -> 
             whole, fused = got["whole"], got["fused"]
             print(
                 f"{loss} {precision}: peak {whole['peak_mb']:,.0f} MB whole, {fused['peak_mb']:,.0f} MB fused "
-                f"({fused['peak_mb'] / whole['peak_mb']:.3f}×); s a call {_s(whole['s'])} whole, {_s(fused['s'])} fused"
+                f"({fused['peak_mb'] / whole['peak_mb']:.3f}×); s a call {whole['s']:.2f} whole, {fused['s']:.2f} fused"
             )
 
 
@@ -120,10 +118,6 @@ def _in_fresh_process(case: str, sizes: dict[str, int]) -> dict:
     if done.returncode:
         raise click.ClickException(f"case {case} failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.2f}"
 
 
 if __name__ == "__main__":

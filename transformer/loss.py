@@ -10,9 +10,9 @@ from transformer import packing
 
 _BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
 # Logits (rows x V) above which the generator and the loss run fused, a chunk of rows at a time (_Fused).
-# Whole, the loss keeps about four float32 tensors of every logit alive at its peak (logits, log-probs
-# and their gradients): at 2**26 logits about 1 GB, which any host that trains has, and no more than
-# the model's own activations at that batch size; at 25k tokens x 37k (WMT's base recipe) about 15 GB.
+# Whole, the loss holds about three float32 tensors of every logit at its peak (logits, log-probs, their
+# gradient): at 2**26 logits under 1 GB, which any host that trains has, and no more than the model's
+# own activations at that batch size; at the paper's 25k tokens x 37k about 11 GB (docs/speed.md).
 # The default recipe's micro-batches (3,000 tokens x 8,000, twice that with R-Drop) stay below it, on
 # the whole path, so its reference run stays bit for bit what it was.
 FUSE_ABOVE = 1 << 26

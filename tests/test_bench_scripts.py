@@ -16,6 +16,7 @@ import allocators  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
 import gpu_check  # noqa: E402
+import loss_memory  # noqa: E402
 import rdrop_loss  # noqa: E402
 import scale  # noqa: E402
 import update_profile  # noqa: E402
@@ -23,6 +24,7 @@ import update_profile  # noqa: E402
 import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 import transformer.loss  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +65,14 @@ def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
     monkeypatch.setattr(transformer.loss, "_BLOCK", transformer.loss._BLOCK)  # the script sets it
     out = run(rdrop_loss.main, ["--reps", "1"])
     assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2
+
+
+def test_loss_memory_measures_both_losses_whole_and_fused_in_each_precision():
+    out = run(loss_memory.main, ["--tokens", "400", "--vocab", "300", "--d-model", "16", "--reps", "1"])
+    precisions = 1 + use_bf16("auto", torch.device("cpu"))
+    assert out.count("MB whole") == out.count("MB fused") == out.count(" s a call ") == 2 * precisions
+    assert "token_loss fp32: peak " in out and "rdrop_loss fp32: peak " in out
+    assert "(the code takes the whole loss)" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")

@@ -11,13 +11,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import transformer.loss
 import transformer.packing
 from transformer.batching import Batch
-from transformer.loss import _RDrop, batch_loss, rdrop_loss, token_loss
+from transformer.loss import _Fused, _RDrop, batch_loss, rdrop_loss, token_loss
 
 PAD = 2
 
 
+@pytest.fixture(params=[False, True], ids=["whole", "fused"])
+def fused(request, monkeypatch):
+    """Runs a test on the whole loss and again with the generator and loss fused (_Fused) at any size."""
+    if request.param:
+        monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing):
+def test_token_loss_is_smoothed_cross_entropy_over_real_tokens(smoothing, fused):
     torch.manual_seed(0)
     vocab = 20
     model = tiny_model(src_vocab=vocab, tgt_vocab=vocab, tie_embeddings=True).eval()
@@ -44,7 +52,7 @@ TGT_OUT = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD]])
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @torch.no_grad()  # values only
-def test_rdrop_loss_of_two_equal_passes_is_the_token_loss(smoothing):
+def test_rdrop_loss_of_two_equal_passes_is_the_token_loss(smoothing, fused):
     model, hidden = _tiny().eval(), torch.randn(2, 4, 16)
     alone = token_loss(model, hidden, TGT_OUT, PAD, smoothing)
     assert float(rdrop_loss(model, hidden.repeat(2, 1, 1), TGT_OUT, PAD, smoothing, alpha=5.0)) == pytest.approx(
@@ -53,7 +61,7 @@ def test_rdrop_loss_of_two_equal_passes_is_the_token_loss(smoothing):
 
 
 @torch.no_grad()  # values only
-def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmetric_kl():
+def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmetric_kl(fused):
     model, first, second = _tiny().eval(), torch.randn(2, 4, 16), torch.randn(2, 4, 16)
     keep = TGT_OUT != PAD
     p = model.generator(first[keep]).log_softmax(-1)
@@ -68,7 +76,7 @@ def test_rdrop_loss_is_the_mean_cross_entropy_plus_a_quarter_alpha_of_the_symmet
 
 
 @torch.no_grad()  # values only
-def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as_one_pass():
+def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as_one_pass(fused):
     model = _tiny().eval()  # no dropout: a sentence's two passes are equal and R-Drop's KL is 0
     tgt_out = torch.tensor([[5, 6, 1, PAD], [7, 1, PAD, PAD], [8, 9, 10, 1], [11, 1, PAD, PAD]])
     tgt_in = torch.cat([torch.zeros(4, 1, dtype=torch.long), tgt_out[:, :-1]], 1).masked_fill(tgt_out == PAD, PAD)
@@ -110,7 +118,7 @@ class _DataDependentOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_partial_rdrop_forward_and_backward_wait_on_no_data_dependent_op(monkeypatch):
+def test_partial_rdrop_forward_and_backward_wait_on_no_data_dependent_op(monkeypatch, fused):
     # As on an accelerator: there the model neither packs nor drops the padding before the generator.
     monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
     model = _tiny(dropout=0.1).train()
@@ -150,7 +158,7 @@ def test_the_two_passes_of_a_repeated_batch_draw_their_own_dropout():
 
 
 @pytest.mark.parametrize("smoothing, zero_pad", [(0.0, False), (0.1, False), (0.1, True)])
-def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
+def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad, fused):
     """The loss writes its gradient out by hand (for speed): it must be autograd's of the formula,
     and pad positions must get none."""
     torch.manual_seed(0)
@@ -163,7 +171,7 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
     tgt_out[0, 2] = PAD
 
     got = rdrop_loss(model, hidden, tgt_out, PAD, smoothing, alpha=5.0, zero_pad=zero_pad)
-    (got_grad,) = torch.autograd.grad(2.5 * got, hidden)
+    got_grad, *got_generator = torch.autograd.grad(2.5 * got, (hidden, generator.weight, generator.bias))
 
     keep = (tgt_out != PAD).flatten()
     logits = generator(hidden.flatten(0, 1)).view(2, rows, vocab)[:, keep]  # (2 passes, kept rows, V)
@@ -179,12 +187,14 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad):
     p, q = log_probs
     kl = ((p.exp() - q.exp()) * (p - q)).sum()
     expected = ce.mean() + 5.0 / 4 * kl
-    (expected_grad,) = torch.autograd.grad(2.5 * expected, hidden)
+    expected_grad, *expected_generator = torch.autograd.grad(2.5 * expected, (hidden, generator.weight, generator.bias))
 
     assert float(got.detach()) == pytest.approx(
         float(expected.detach()), rel=1e-6
     )  # the logits are float32 (as under autocast)
     assert torch.allclose(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+    for got_part, expected_part in zip(got_generator, expected_generator):  # the weight's and the bias's
+        assert torch.allclose(got_part, expected_part, rtol=1e-4, atol=1e-6)
     assert float(expected_grad[:, 2].abs().max()) == 0.0  # the pad position
 
     # In float64, from the logits on, with the pad row kept (as on a GPU): to rounding.
@@ -228,3 +238,123 @@ def test_rdrop_loss_under_autocast_is_its_float32_value():
         autocast = _RDrop.apply(logits, target, PAD, 0.1, 5.0, False)
     assert autocast.dtype == torch.float32
     assert torch.equal(autocast, plain)
+
+
+FUSED_VOCAB = 50
+
+
+def _fused_batch() -> Batch:
+    """Six sentences of 23 real target tokens in all (a prime: no chunk size divides it), with padding."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([6, 2, 5, 3, 4, 3])
+    tgt_out = torch.randint(3, FUSED_VOCAB, (6, 6), generator=g)
+    tgt_out[torch.arange(6)[None, :] >= lengths[:, None]] = PAD
+    tgt_in = torch.cat([torch.zeros(6, 1, dtype=torch.long), tgt_out[:, :-1]], 1).masked_fill(tgt_out == PAD, PAD)
+    return Batch(torch.randint(3, FUSED_VOCAB, (6, 5), generator=g), tgt_in, tgt_out, int(lengths.sum()))
+
+
+def _loss_and_gradients(monkeypatch, fuse: bool, chunk: int, bf16: bool, **loss):
+    """batch_loss of a tiny tied-embedding model in training (dropout on), and every parameter's gradient:
+    through the decoder they hold d loss / d hidden, and the tied embedding both of its uses' gradients."""
+    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
+    monkeypatch.setattr(transformer.loss, "_CHUNK", chunk)
+    torch.manual_seed(0)
+    model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, dropout=0.1, tie_embeddings=True).train()
+    calls, hidden = [], []
+    monkeypatch.setattr(transformer.loss, "_Fused", _Spy(calls))
+
+    def forward(src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        hidden.append(model(src, tgt_in))
+        hidden[-1].retain_grad()
+        return hidden[-1]
+
+    torch.manual_seed(1)  # the same dropout masks and partial R-Drop's draw both ways
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        value = batch_loss(forward, model, _fused_batch(), PAD, **loss)
+    (2.5 * value).backward()
+    assert bool(calls) == fuse
+    return value.detach(), {"hidden": hidden[-1].grad} | {name: p.grad for name, p in model.named_parameters()}
+
+
+class _Spy:
+    """Stands in for _Fused and records that it was applied."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def apply(self, *args):
+        self.calls.append(args)
+        return _Fused.apply(*args)
+
+
+LOSSES = {
+    "nll": dict(smoothing=0.0),
+    "smoothed": dict(smoothing=0.1),
+    "zero_pad": dict(smoothing=0.1, zero_pad=True),
+    "rdrop": dict(smoothing=0.1, rdrop=5.0),
+    "rdrop_zero_pad": dict(smoothing=0.1, rdrop=5.0, zero_pad=True),
+    "partial_rdrop": dict(smoothing=0.1, rdrop=5.0, share=0.5),
+}
+
+
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["real rows", "pad rows too"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [1, 7 * FUSED_VOCAB, 1 << 40], ids=["a row", "7 rows", "one chunk"])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_fused_loss_and_its_gradients_are_the_whole_ones(monkeypatch, loss, chunk, bf16, pad_rows):
+    """The generator and loss fused, a chunk of rows at a time (one row or pair, 7 rows or 3 pairs of
+    23, or all), on the real tokens alone (a CPU's rows) or with the pad positions (an accelerator's,
+    which the loss ignores), give the whole loss's value and gradients: to float32's rounding, or under bf16
+    autocast to a few roundings of its bf16 matmuls. There the value stays close (both take their
+    logits in bf16) and the gradients of hidden and of the tied weight are compared: a bf16 model's
+    backward magnifies the roundings on the way to the encoder's first norm."""
+    if pad_rows:
+        monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
+    whole, expected = _loss_and_gradients(monkeypatch, False, chunk, bf16, **LOSSES[loss])
+    fused, got = _loss_and_gradients(monkeypatch, True, chunk, bf16, **LOSSES[loss])
+    assert float(fused) == pytest.approx(float(whole), rel=1e-5 if bf16 else 1e-6)
+    for name in ["hidden", "src_embed.lut.weight"] if bf16 else expected:
+        grad = expected[name]
+        assert got[name] is not None and got[name].dtype == grad.dtype, name
+        scale = float(grad.abs().max())
+        assert scale > 0, name
+        assert float((got[name] - grad).abs().max()) <= (2e-2 if bf16 else 1e-5) * scale, name
+
+
+def test_a_default_recipe_micro_batch_takes_the_whole_loss_and_a_wmt_sized_one_the_fused():
+    """The default recipe (3,000 tokens x 8,000 pieces, twice the rows with R-Drop) keeps the whole
+    loss, bit for bit its reference run's; the paper's 25,000 tokens x 37,000 run fused."""
+    with torch.device("meta"):  # shapes only
+        model = torch.nn.Module()
+        model.generator = torch.nn.Linear(512, 8000, bias=False)
+        assert not transformer.loss._fuses(model, torch.empty(2 * 3000, 512))
+        model.generator = torch.nn.Linear(512, 37000, bias=False)
+        assert transformer.loss._fuses(model, torch.empty(25000, 512))
+        model.generator = torch.nn.Sequential(torch.nn.Linear(512, 37000))  # not the math _Fused repeats
+        assert not transformer.loss._fuses(model, torch.empty(25000, 512))
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts matrix products."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "matmul", "linear")
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
+    """Validation (no_grad) pays the generator's matmul alone, one a chunk; training three."""
+    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.loss, "_CHUNK", 10 * FUSED_VOCAB)  # 23 rows: 3 chunks
+    torch.manual_seed(0)
+    model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
+    hidden, tgt_out = torch.randn(6, 6, 16, requires_grad=True), _fused_batch().tgt_out
+    with torch.no_grad(), _Matmuls() as plain:
+        token_loss(model, hidden, tgt_out, PAD, 0.0)
+    with _Matmuls() as training:
+        token_loss(model, hidden, tgt_out, PAD, 0.0)
+    assert (plain.count, training.count) == (3, 9)

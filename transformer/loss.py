@@ -9,13 +9,26 @@ from torch import nn
 from transformer import packing
 
 _BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
+# Logits (rows x V) above which the generator and the loss run fused, a chunk of rows at a time (_Fused).
+# Whole, the loss holds about three float32 tensors of every logit at its peak (logits, log-probs, their
+# gradient): at 2**26 logits under 1 GB, which any host that trains has, and no more than the model's
+# own activations at that batch size; at the paper's 25k tokens x 37k about 11 GB (docs/speed.md).
+# The default recipe's micro-batches (3,000 tokens x 8,000, twice that with R-Drop) stay below it, on
+# the whole path, so its reference run stays bit for bit what it was.
+FUSE_ABOVE = 1 << 26
+# Logits (rows x V) in a chunk of the fused loss: 64 MB in float32, so a chunk's few (rows, V) tensors
+# stay far below the whole path's, while its matmuls (over 400 rows at a 37k vocabulary) still run at speed.
+_CHUNK = 1 << 24
 
 
 def token_loss(
     model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, smoothing: float, zero_pad: bool = False
 ) -> torch.Tensor:
     """The loss summed over the non-pad positions of `tgt_out`; with smoothing 0, the NLL."""
-    return smoothed_cross_entropy(*_projected(model, hidden, tgt_out, pad), pad, smoothing, zero_pad)
+    rows, target = _kept(hidden, tgt_out, pad)
+    if _fuses(model, rows):
+        return _fused(model.generator, rows, target, pad, smoothing, None, zero_pad)
+    return smoothed_cross_entropy(model.generator(rows).float(), target, pad, smoothing, zero_pad)
 
 
 def rdrop_loss(
@@ -34,10 +47,10 @@ def rdrop_loss(
     symmetric KL divergence between their next-token distributions. That is the paper's objective
     (both cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
     scale of one pass and alpha means what the paper's does."""
-    logits, target = _projected(
-        model, hidden, tgt_out.repeat(2, 1), pad, cast=False
-    )  # one projection: the first pass's rows, then the second's
-    return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
+    rows, target = _kept(hidden, tgt_out.repeat(2, 1), pad)  # the first pass's rows, then the second's
+    if _fuses(model, rows):
+        return _fused(model.generator, rows, target, pad, smoothing, alpha, zero_pad)
+    return _RDrop.apply(model.generator(rows), target, pad, smoothing, alpha, zero_pad)  # one projection of both
 
 
 def batch_loss(
@@ -105,29 +118,10 @@ class _RDrop(torch.autograd.Function):
     def forward(
         ctx, logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float, zero_pad: bool
     ) -> torch.Tensor:
-        n, vocab = logits.size(0) // 2, logits.size(1)
-        keep = target != pad  # (2n,), the same for both halves
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits (autocast) are worked on in float32
-        ce, kl = logits.new_empty(2 * n, dtype=dtype), logits.new_empty(n, dtype=dtype)
-        g = logits.new_empty(2 * n, vocab, dtype=dtype)  # d loss / d logits, before the incoming gradient
-        pairs = _block_rows(logits[:n])
-        with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
-            for start in range(0, n, pairs):
-                stop = min(start + pairs, n)
-                rows = (
-                    slice(start, stop),
-                    slice(n + start, n + stop),
-                )  # the pairs' rows in the first pass, then the second
-                lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
-                p1, p2 = lp1.exp(), lp2.exp()
-                dl, dp = lp1 - lp2, p1 - p2
-                kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
-                for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
-                    ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
-                    _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+        ce, kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad)
         ctx.save_for_backward(g)
         ctx.dtype = logits.dtype
-        return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep[:n], 0.0).sum()
+        return _rdrop_sum(ce, kl, target != pad, alpha)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -138,6 +132,38 @@ class _RDrop(torch.autograd.Function):
                 g[start : start + rows] * grad
             )  # g itself is kept: a graph may be run backward twice
         return out, None, None, None, None, None
+
+
+def _rdrop_rows(
+    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float, zero_pad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """R-Drop's terms of the logits (2m, V) of m pairs of rows (the first pass's rows, then the second's),
+    a block of pairs at a time: each row's smoothed cross-entropy (2m,), each pair's symmetric KL (m,),
+    and d loss / d logits (2m, V) before the incoming gradient, in float32 at least."""
+    n, vocab = logits.size(0) // 2, logits.size(1)
+    keep = target != pad  # (2n,), the same for both halves
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits (autocast) are worked on in float32
+    ce, kl = logits.new_empty(2 * n, dtype=dtype), logits.new_empty(n, dtype=dtype)
+    g = logits.new_empty(2 * n, vocab, dtype=dtype)
+    pairs = _block_rows(logits[:n])
+    with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
+        for start in range(0, n, pairs):
+            stop = min(start + pairs, n)
+            rows = (slice(start, stop), slice(n + start, n + stop))  # the pairs in the first pass, then the second
+            lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
+            p1, p2 = lp1.exp(), lp2.exp()
+            dl, dp = lp1 - lp2, p1 - p2
+            kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
+            for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
+                ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
+                _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+    return ce, kl, g
+
+
+def _rdrop_sum(ce: torch.Tensor, kl: torch.Tensor, keep: torch.Tensor, alpha: float) -> torch.Tensor:
+    """R-Drop's loss from its per-row cross-entropies (2n,) and per-pair KLs (n,), over the kept rows (2n,)."""
+    n = kl.size(0)
+    return ce.masked_fill(~keep, 0.0).sum() / 2 + alpha / 4 * kl.masked_fill(~keep[:n], 0.0).sum()
 
 
 def _block_rows(x: torch.Tensor) -> int:
@@ -164,33 +190,158 @@ def _rdrop_gradient(
     if sign < 0:
         g.neg_()
     g.mul_(alpha / 4)
-    # minus half the smoothed target (_smoothed_nll's): `spread` on every column but <blank> with zero_pad,
-    # 1 - smoothing more on gold
+    _add_smoothed_nll_gradient(g, prob, target, keep, pad, smoothing, zero_pad, 0.5)
+
+
+def _add_smoothed_nll_gradient(
+    g: torch.Tensor,
+    prob: torch.Tensor,
+    target: torch.Tensor,
+    keep: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    zero_pad: bool,
+    share: float,
+) -> None:
+    """Takes g (m, V), d loss / d log-probs of the loss's other terms, to d loss / d logits of the loss
+    plus `share` times _smoothed_nll: adds that term's gradient, minus `share` times the smoothed
+    target, then goes back through the log-softmax (g - prob * sum(g), per row); pad rows get 0."""
+    # the smoothed target: `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
     spread = smoothing / (g.size(-1) - 2 if zero_pad else g.size(-1))
-    g.sub_(spread / 2)
+    g.sub_(spread * share)
     if zero_pad:
-        g[:, pad] += spread / 2
+        g[:, pad] += spread * share
     gold = (spread if zero_pad else 0.0) - (1 - smoothing)  # with zero_pad the gold column has no spread
-    g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold / 2))
+    g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold * share))
     g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
     g.masked_fill_(~keep[:, None], 0.0)
 
 
-def _projected(
-    model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, cast: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The generator's logits (n, V), in float32 (with `cast`; else in the generator's dtype), and their targets (n,).
+def _fuses(model: nn.Module, rows: torch.Tensor) -> bool:
+    """Whether the loss of rows (m, d_model) runs fused (_Fused): where it has more than FUSE_ABOVE
+    logits and the generator is a Linear, whose math _Fused repeats."""
+    generator = model.generator
+    return isinstance(generator, nn.Linear) and rows.size(0) * generator.out_features > FUSE_ABOVE
 
-    On a CPU only the non-pad positions go through the generator: padding costs no vocabulary
-    projection. Elsewhere every position does and the pad ones are ignored: selecting them
-    (a boolean mask sizes its result by a count only the device knows) would make the
-    host wait for the device on every micro-batch."""
-    if not packing.counts_on_host(tgt_out):
-        logits, target = model.generator(hidden).flatten(0, -2), tgt_out.flatten()
+
+def _fused(
+    generator: nn.Linear,
+    rows: torch.Tensor,
+    target: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    alpha: float | None,
+    zero_pad: bool,
+) -> torch.Tensor:
+    """The loss of token_loss (alpha None) or of rdrop_loss (rows: the first pass's, then the second's)
+    on the generator's logits of rows (m, d_model), computed by _Fused a chunk of rows at a time."""
+    args = (rows, generator.weight, generator.bias, target, pad, smoothing, alpha, zero_pad)
+    return _Fused.apply(*args, torch.is_grad_enabled())  # with no graph to build, no gradient to compute
+
+
+class _Fused(torch.autograd.Function):
+    """The generator (a Linear) and the loss together, a chunk of rows at a time, so that no more than
+    a chunk's logits (rows, V) and their gradient are ever alive.
+
+    Per chunk: its logits in the generator's dtype (bf16 under autocast, as the generator gives them),
+    each row's terms of the loss and d loss / d logits as the whole loss computes them (_ce_rows,
+    _rdrop_rows, in float32), then from that gradient, cast to the logits' dtype as the generator's
+    backward gets it, the chunk's rows of d loss / d hidden and its share of d loss / d weight (and
+    bias), summed in the weight's dtype. The backward scales these by the incoming gradient. A tied
+    weight (the embeddings') is an input like any other: autograd adds its gradient to the embedding's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, pad, smoothing, alpha, zero_pad, grads: bool) -> torch.Tensor:
+        dtype = _matmul_dtype(hidden)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)  # cast once, as autocast's cache does
+        pairs = 2 if alpha is not None else 1  # R-Drop: row i of the first pass and row n + i of the second
+        n = target.size(0) // pairs
+        ce = hidden.new_empty(target.size(0), dtype=torch.promote_types(dtype, torch.float32))
+        kl = ce.new_zeros(n)
+        d_hidden, d_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        d_bias = None if bias is None else torch.zeros_like(bias)
+        step = max(1, _CHUNK // (pairs * weight.size(0)))
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen above, as autocast would
+            for start in range(0, n, step):
+                index = torch.arange(start, min(start + step, n), device=hidden.device)
+                index = torch.cat([index + k * n for k in range(pairs)])  # (pairs * chunk,)
+                x = hidden.index_select(0, index).to(dtype)  # (pairs * chunk, d_model)
+                g = _chunk_loss(F.linear(x, w, b), target[index], pad, smoothing, alpha, zero_pad, ce, kl, index)
+                if grads:
+                    g = g.to(dtype)
+                    d_hidden.index_copy_(0, index, (g @ w).to(hidden.dtype))
+                    d_weight += g.t() @ x
+                    if d_bias is not None:
+                        d_bias += g.sum(0)
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        keep = target != pad
+        return ce.masked_fill(~keep, 0.0).sum() if alpha is None else _rdrop_sum(ce, kl, keep, alpha)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        d_hidden, d_weight, d_bias = ctx.saved_tensors  # kept, not scaled in place: a graph may be run backward twice
+        return d_hidden * grad, d_weight * grad, None if d_bias is None else d_bias * grad, *[None] * 6
+
+
+def _chunk_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    alpha: float | None,
+    zero_pad: bool,
+    ce: torch.Tensor,
+    kl: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """A chunk's d loss / d logits; writes its rows' cross-entropies into ce at `index`, and with alpha
+    (R-Drop) its pairs' KLs into kl."""
+    if alpha is None:
+        rows, g = _ce_rows(logits, target, pad, smoothing, zero_pad)
     else:
-        keep = tgt_out != pad
-        logits, target = model.generator(hidden[keep]), tgt_out[keep]
-    return (logits.float() if cast else logits), target
+        rows, pair_kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad)
+        kl[index[: pair_kl.size(0)]] = pair_kl
+    ce[index] = rows
+    return g
+
+
+def _ce_rows(
+    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's smoothed cross-entropy (m,) of the logits (m, V), and d loss / d logits (m, V) of their
+    sum (0 on pad rows), in float32 at least, a block of rows at a time as R-Drop's loss is computed."""
+    m, vocab = logits.shape
+    keep = target != pad
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    ce, g = logits.new_empty(m, dtype=dtype), logits.new_zeros(m, vocab, dtype=dtype)
+    rows = _block_rows(logits)
+    for start in range(0, m, rows):
+        r = slice(start, start + rows)
+        lp = logits[r].to(dtype).log_softmax(-1)
+        ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
+        _add_smoothed_nll_gradient(g[r], lp.exp(), target[r], keep[r], pad, smoothing, zero_pad, 1.0)
+    return ce, g
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the generator's logits of x: autocast's where it is on (it casts float32 and
+    float16/bf16, never float64), else x's own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _kept(hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of hidden (m, d_model) that the generator projects for the loss, and their targets (m,).
+
+    On a CPU only the non-pad positions: padding costs no vocabulary projection. Elsewhere every
+    position, and the loss ignores the pad ones: selecting them (a boolean mask sizes its result
+    by a count only the device knows) would make the host wait for the device on every micro-batch."""
+    if not packing.counts_on_host(tgt_out):
+        return hidden.flatten(0, -2), tgt_out.flatten()
+    keep = tgt_out != pad
+    return hidden[keep], tgt_out[keep]
 
 
 def smoothed_cross_entropy(

@@ -4,9 +4,9 @@ every so often).
 
 Training's blocks change size with every batch's shape. glibc's heap keeps the freed ones, and
 they fragment: the resident set grows to several times what an update holds live. mimalloc,
-installed with the project (the cmeel-mimalloc wheel), serves blocks by size class, reuses them
-as fast as a kept heap, and returns what it no longer uses. It must be in place before the process
-allocates, so the stages that train and decode run themselves again with it preloaded
+installed with the project (the cmeel-mimalloc wheel), serves blocks by size class, so freed
+blocks serve the next update's without the heap growing. It must be in place before the process
+allocates, so the train stage (and bench.py) run themselves again with it preloaded
 (preload_allocator)."""
 
 from __future__ import annotations

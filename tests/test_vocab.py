@@ -189,6 +189,30 @@ def test_build_vocabs_bpe_writes_vocab_and_id_arrays(tmp_path):
     assert src.decode(val.src[val.src_off[0] : val.src_off[1]].tolist()) == first_de
 
 
+def test_build_vocabs_streams_the_sample_sentencepiece_would_take_from_the_lines_in_memory(tmp_path, monkeypatch):
+    # The files are read a line at a time, never held: the sampled lines must be those drawn from a list.
+    tok, out = tmp_path / "tok", tmp_path / "vocab"
+    _tokenized_corpus(tok)
+    monkeypatch.setattr(vocab_module, "SAMPLE", 250)  # of the 600 lines of both sides
+    build_vocabs(tok, out, ("de", "en"), "bpe", 60, 2, "train", "val", seed=3)
+    lines = [line for lang in ("de", "en") for line in (tok / f"train.{lang}").read_text(encoding="utf-8").splitlines()]
+    in_memory = BpeVocab.train(lines, 60, seed=3, sample=250)
+    assert (out / "bpe.model").read_bytes() == in_memory.proto
+    assert in_memory.proto != BpeVocab.train(lines, 60, seed=3, sample=600).proto  # the sample makes a difference
+
+
+def test_a_line_not_utf8_stops_build_vocab_naming_the_file_and_line(tmp_path):
+    tok = tmp_path / "tok"
+    _tokenized_corpus(tok)
+    with open(tok / "train.en", "ab") as f:
+        f.write(b"caf\xe9\n")
+    lines = len((tok / "train.de").read_bytes().splitlines())
+    (tok / "train.de").write_bytes((tok / "train.de").read_bytes() + b"ok\n")
+    for kind in ("bpe", "word"):
+        with pytest.raises(DataError, match=rf"train\.en:{lines + 1}: not valid UTF-8"):
+            build_vocabs(tok, tmp_path / kind, ("de", "en"), kind, 60, 2, "train", "val", seed=1)
+
+
 def test_build_vocabs_word_writes_separate_vocabularies(tmp_path):
     tok, out = tmp_path / "tok", tmp_path / "vocab"
     _tokenized_corpus(tok)

@@ -16,12 +16,13 @@ import random
 import sys
 from array import array
 from collections import Counter
+from collections.abc import Iterable, Sized
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from transformer.io import DataError, atomic_path, read_lines, save_torch, write_json, write_lines
+from transformer.io import DataError, atomic_path, count_lines, iter_lines, save_torch, write_json, write_lines
 
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 BOS, EOS, PAD, UNK = range(4)
@@ -38,7 +39,7 @@ class WordVocab:
         self.stoi = {s: i for i, s in enumerate(itos)}
 
     @classmethod
-    def build(cls, lines: list[str], min_freq: int) -> WordVocab:
+    def build(cls, lines: Iterable[str], min_freq: int) -> WordVocab:
         counts = Counter(token for line in lines for token in line.split())
         ranked = sorted((t for t, c in counts.items() if c >= min_freq), key=lambda t: (-counts[t], t))
         return cls(list(SPECIALS) + ranked)
@@ -69,40 +70,49 @@ class BpeVocab:
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
 
     @classmethod
-    def train(cls, lines: list[str], size: int, seed: int, sample: int = SAMPLE) -> BpeVocab:
-        """Learns `size` pieces from `lines`, or from `sample` of them drawn with `seed`.
+    def train(
+        cls, lines: Iterable[str], size: int, seed: int, sample: int = SAMPLE, count: int | None = None
+    ) -> BpeVocab:
+        """Learns `size` pieces from `lines`, or from `sample` of them drawn with `seed`. `lines` may be
+        a stream (iter_lines) read once, with its `count` of lines given: then only sentencepiece
+        holds the sampled lines, never a list of str besides.
 
         The sample is ours: sentencepiece's (input_sentence_size) ignores any seed and draws
         other lines in every process. Lines go in, and the model comes out, through memory,
         so no temporary path is recorded in it; nor is the thread count, which does not
         change the pieces: the same lines and seed give the same bytes on any machine."""
-        import random
-
         import sentencepiece as spm
         from sentencepiece import sentencepiece_model_pb2
 
-        if len(lines) > sample:
-            lines = [lines[i] for i in sorted(random.Random(seed).sample(range(len(lines)), sample))]
+        if count is None:
+            lines = list(lines)
+            count = len(lines)
+        stream = _Sampled(lines, count, sample, seed)
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=model,
-            vocab_size=size,
-            model_type="bpe",
-            character_coverage=1.0,
-            normalization_rule_name="identity",  # keep text (and JOINER) reversible
-            bos_id=BOS,
-            eos_id=EOS,
-            pad_id=PAD,
-            unk_id=UNK,
-            bos_piece="<s>",
-            eos_piece="</s>",
-            pad_piece="<blank>",
-            unk_piece="<unk>",
-            minloglevel=2,
-            num_threads=max(1, torch.get_num_threads()),
-            hard_vocab_limit=False,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=stream,
+                model_writer=model,
+                vocab_size=size,
+                model_type="bpe",
+                character_coverage=1.0,
+                normalization_rule_name="identity",  # keep text (and JOINER) reversible
+                bos_id=BOS,
+                eos_id=EOS,
+                pad_id=PAD,
+                unk_id=UNK,
+                bos_piece="<s>",
+                eos_piece="</s>",
+                pad_piece="<blank>",
+                unk_piece="<unk>",
+                minloglevel=2,
+                num_threads=max(1, torch.get_num_threads()),
+                hard_vocab_limit=False,
+            )
+        except RuntimeError:
+            if stream.error:  # sentencepiece wraps what the stream raised (a line not UTF-8) in its own error
+                raise stream.error from None
+            raise
         proto = sentencepiece_model_pb2.ModelProto.FromString(model.getvalue())
         proto.trainer_spec.ClearField("num_threads")
         return cls(proto.SerializeToString())
@@ -205,6 +215,31 @@ class BpeDropout:
         return ids
 
 
+class _Sampled:
+    """The lines sentencepiece learns from: every one of `count` lines, or `sample` of them drawn with
+    `seed`, in their order, taken in one pass over `lines`. What the pass raises is kept in `error`."""
+
+    def __init__(self, lines: Iterable[str], count: int, sample: int, seed: int):
+        if count > sample:
+            picked = bytearray(count)  # a byte a line: WMT14's 9M lines take 9 MB, a set of them ~300
+            for i in random.Random(seed).sample(range(count), sample):
+                picked[i] = 1
+            lines = (line for line, keep in zip(lines, picked) if keep)
+        self._lines, self.error = iter(lines), None
+
+    def __iter__(self) -> _Sampled:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._lines)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.error = e
+            raise
+
+
 def vocab_from_state(state: dict[str, Any]) -> Vocab:
     if state["kind"] == "word":
         return WordVocab(list(state["itos"]))
@@ -264,24 +299,28 @@ ENCODE_CHUNK = 20_000  # lines encoded at a time: only their ids are ever Python
 
 
 def encode_corpus(
-    vocab: Vocab, lines: list[str], threads: int = 1, label: str | None = None
+    vocab: Vocab, lines: Iterable[str], threads: int = 1, label: str | None = None, count: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of every line, flat, with offsets: line i is ids[offsets[i]:offsets[i + 1]].
 
-    Each chunk of lines goes to int32 as soon as it is encoded, so memory follows the ids at 4 bytes
-    an id (twice that while the chunks are joined); `threads` encode a BPE chunk, `label` names the
-    progress bar, which shows once encoding has taken a few seconds."""
+    `lines` may be a stream (iter_lines): a chunk of lines at a time is read, encoded and turned into
+    int32, so memory follows the ids at 4 bytes an id (twice that while the chunks are joined);
+    `threads` encode a BPE chunk, `label` names the progress bar, which shows once encoding has taken
+    a few seconds, and `count` (the lines there are, where `lines` cannot tell) its total."""
     from tqdm import tqdm
 
-    lengths, parts = torch.zeros(len(lines) + 1, dtype=torch.int64), [torch.zeros(0, dtype=torch.int32)]
-    with tqdm(total=len(lines), desc=label, unit="line", file=sys.stderr, mininterval=2, delay=5) as bar:
-        for start in range(0, len(lines), ENCODE_CHUNK):
-            encoded = vocab.encode_many(lines[start : start + ENCODE_CHUNK], threads)
-            lengths[start + 1 : start + 1 + len(encoded)] = torch.tensor([len(e) for e in encoded])
+    total = len(lines) if count is None and isinstance(lines, Sized) else count
+    stream = iter(lines)
+    chunks = iter(lambda: list(itertools.islice(stream, ENCODE_CHUNK)), [])  # until an empty chunk
+    lengths, parts = [torch.zeros(1, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int32)]
+    with tqdm(total=total, desc=label, unit="line", file=sys.stderr, mininterval=2, delay=5) as bar:
+        for chunk in chunks:
+            encoded = vocab.encode_many(chunk, threads)
+            lengths.append(torch.tensor([len(e) for e in encoded], dtype=torch.int64))
             flat = array("i", itertools.chain.from_iterable(encoded))
             parts += [torch.frombuffer(flat, dtype=torch.int32)] if flat else []
             bar.update(len(encoded))
-    return torch.cat(parts), torch.cumsum(lengths, 0)
+    return torch.cat(parts), torch.cumsum(torch.cat(lengths), 0)
 
 
 SAMPLE_CHUNK = 10_000  # lines per seeded piece of work
@@ -363,34 +402,36 @@ def build_vocabs(
     threads: int = 1,
 ) -> dict[str, int]:
     """Builds the vocabularies from the tokenized train split and writes train/valid as id arrays;
-    `threads` encode with BPE (they do not change the ids)."""
-    train_lines = _read_pair(tok_dir, train, langs)
+    `threads` encode with BPE (they do not change the ids). The text is streamed from the files, for
+    sentencepiece's sample and then for encoding, never held whole: at WMT14's size it would take
+    several GB as str objects."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    paths, count = _pair(tok_dir, train, langs)
     if kind == "bpe":
-        src = tgt = BpeVocab.train(train_lines[0] + train_lines[1], size, seed)
+        both = itertools.chain.from_iterable(map(iter_lines, paths))
+        src = tgt = BpeVocab.train(both, size, seed, SAMPLE, count=2 * count)
     else:
-        src, tgt = WordVocab.build(train_lines[0], min_freq), WordVocab.build(train_lines[1], min_freq)
+        src, tgt = (WordVocab.build(iter_lines(path), min_freq) for path in paths)
     save_vocabs(out_dir, src, tgt)
-    _save_ids(out_dir / f"{train}.pt", train_lines, (src, tgt), langs, threads)
-    del train_lines  # the bulk of this stage's memory: read once, and let go before valid is read
-    _save_ids(out_dir / f"{valid}.pt", _read_pair(tok_dir, valid, langs), (src, tgt), langs, threads)
+    for split in (train, valid):
+        _save_ids(out_dir / f"{split}.pt", *_pair(tok_dir, split, langs), (src, tgt), langs, threads)
     return {"src_size": len(src), "tgt_size": len(tgt)}
 
 
-def _read_pair(tok_dir: Path, split: str, langs: tuple[str, str]) -> tuple[list[str], list[str]]:
+def _pair(tok_dir: Path, split: str, langs: tuple[str, str]) -> tuple[list[Path], int]:
+    """A split's two tokenized files, and the lines each has (the same, or DataError)."""
     paths = [tok_dir / f"{split}.{lang}" for lang in langs]
-    src_lines, tgt_lines = (read_lines(path) for path in paths)
-    if len(src_lines) != len(tgt_lines):
-        raise DataError(
-            f"{paths[0]}: has {len(src_lines)} lines, but {paths[1]} has {len(tgt_lines)}: the split is misaligned"
-        )
-    return src_lines, tgt_lines
+    counts = [count_lines(path) for path in paths]
+    if counts[0] != counts[1]:
+        raise DataError(f"{paths[0]}: has {counts[0]} lines, but {paths[1]} has {counts[1]}: the split is misaligned")
+    return paths, counts[0]
 
 
 def _save_ids(
-    path: Path, lines: tuple[list[str], list[str]], vocabs: tuple[Vocab, Vocab], langs: tuple[str, str], threads: int
+    path: Path, sides: list[Path], count: int, vocabs: tuple[Vocab, Vocab], langs: tuple[str, str], threads: int
 ) -> None:
     (src_ids, src_off), (tgt_ids, tgt_off) = (
-        encode_corpus(vocab, side, threads, f"{path.stem}.{lang}") for vocab, side, lang in zip(vocabs, lines, langs)
+        encode_corpus(vocab, iter_lines(side), threads, f"{path.stem}.{lang}", count)
+        for vocab, side, lang in zip(vocabs, sides, langs)
     )
     save_torch({"src": src_ids, "src_offsets": src_off, "tgt": tgt_ids, "tgt_offsets": tgt_off}, path)

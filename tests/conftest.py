@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The processes tests start (stages, torchrun ranks, dvc repro) run tiny models, and `make test`
 # runs a pytest worker per core: with torch's default of a thread per core each, two threads share
@@ -32,6 +34,40 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SRC_WORDS = [f"{c}{v}n" for c in "bdfgklmprst" for v in "aeiou"][:40]
 LEXICON = dict(zip(SRC_WORDS, [f"{v}{c}" for c in "bdfgklmprst" for v in "aeiou"][:40]))
+
+
+class DataDependentOps(TorchDispatchMode):
+    """Counts the ops whose result size or value the host must wait for on a GPU: nonzero, masked
+    selection, boolean indexing and reading a scalar back."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        indices = args[1] if name.startswith("index.") and len(args) > 1 else ()
+        boolean = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+        if boolean or name.split(".")[0] in ("nonzero", "masked_select", "_local_scalar_dense", "item"):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the Python calls that read a tensor's values back to the host (.item(), .tolist(),
+    .cpu(), .numpy(), bool(), int(), float(), index()): on an accelerator each waits for the device."""
+
+    READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def toy_pairs(n: int, seed: int) -> list[tuple[str, str]]:

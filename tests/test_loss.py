@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import DataDependentOps, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.loss
@@ -101,33 +101,16 @@ def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as
     assert seen[-1].size(0) == 8 and float(full) == pytest.approx(float(plain), rel=1e-5)
 
 
-class _DataDependentOps(TorchDispatchMode):
-    """Counts the ops whose result size or value the host must wait for on a GPU: nonzero, masked
-    selection, boolean indexing and reading a scalar back."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__
-        indices = args[1] if name.startswith("index.") and len(args) > 1 else ()
-        boolean = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
-        if boolean or name.split(".")[0] in ("nonzero", "masked_select", "_local_scalar_dense", "item"):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_partial_rdrop_forward_and_backward_wait_on_no_data_dependent_op(monkeypatch, fused):
     # As on an accelerator: there the model neither packs nor drops the padding before the generator.
     monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
     model = _tiny(dropout=0.1).train()
     tgt_out = TGT_OUT.repeat(3, 1)
     batch = Batch(torch.tensor([[4, 5, 6, 1]]).repeat(6, 1), torch.tensor([[0, 5, 6, 1]]).repeat(6, 1), tgt_out, 18)
-    with _DataDependentOps() as ops:
+    with DataDependentOps() as ops:
         batch_loss(model, model, batch, PAD, 0.1, rdrop=5.0, share=0.5).backward()
     assert ops.seen == []
-    with _DataDependentOps() as ops:  # the counter sees what a boolean mask costs
+    with DataDependentOps() as ops:  # the counter sees what a boolean mask costs
         batch.src[batch.src[:, 0] > 0].sum().item()
     assert "_local_scalar_dense.default" in ops.seen and len(ops.seen) >= 2
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from conftest import (
     ROOT,
+    DataDependentOps,
+    HostReads,
     free_port,
     run,
     same_values,
@@ -600,6 +602,40 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
         ROOT,
     )
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
+
+
+def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_interval(
+    tmp_path, vocab_dir, monkeypatch
+):
+    # The reads an accelerator would wait for, counted on the CPU: packing off, as the code runs there.
+    # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
+    import transformer.train as train_module
+    from transformer import packing
+
+    monkeypatch.setattr(packing, "counts_on_host", lambda t: False)
+    monkeypatch.setattr(train_module, "LOG_EVERY", 5)
+    reads: dict[str, list[list[str]]] = {"_update": [], "_sync": []}
+    for name, method in [(name, getattr(train_module._Loop, name)) for name in reads]:
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            if torch.cuda.is_available() and _name == "_update":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with HostReads() as calls, DataDependentOps() as ops:
+                    result = _method(self, *args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode("default")
+            reads[_name].append(calls.seen + ops.seen)
+            return result
+
+        monkeypatch.setattr(train_module._Loop, name, counted)
+    overrides = {"train.max_steps": 12, "train.rdrop": 5.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
+    train_module.train(params_from_dict(tiny_params(**overrides)), vocab_dir, train_outputs(tmp_path / "run"))
+    assert reads["_update"] == [[]] * 12
+    read = [r for r in reads["_sync"] if r]
+    assert all(r == ["tolist"] for r in read), read  # the pending losses, all in one read
+    assert len(read) == math.ceil(12 / 5)  # every 5 updates, and the last two at the end of the run
 
 
 def test_diverging_loss_stops_with_the_step_and_keeps_finite_checkpoints(tmp_path, vocab_dir):

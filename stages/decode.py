@@ -23,6 +23,7 @@ from transformer.stage import PARAMS, stage
 @click.option("--report", required=True, type=click.Path(path_type=Path), help="JSON decoding speed")
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Path, report: Path) -> None:
+    from transformer.memory import peak_rss_mb
     from transformer.translate import Translator, timed_translate
     from transformer.vocab import load_vocabs
 
@@ -40,7 +41,7 @@ def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Pa
         progress=True,
     )
     write_lines(out, hyps)
-    write_json(report, speed | {"beam": p.beam})
+    write_json(report, speed | {"beam": p.beam, "peak_rss_mb": round(peak_rss_mb())})  # the process's, model included
     click.echo(f"{source}: {speed['sentences_per_s']} sentences/s, {speed['tokens_per_s']} tokens/s", err=True)
 
 

@@ -77,6 +77,7 @@ def test_dvc_repro_runs_all_stages_learns_and_caches(tmp_path):
 
     shown = run([DVC, "metrics", "show"], repo).stdout
     assert "reports/scores.json" in shown and "test2016.bleu" in shown
+    assert json.loads((repo / "reports/decode/val.json").read_text())["peak_rss_mb"] > 100  # MiB, torch included
 
 
 def _assert_report_has_every_stage_and_score(repo, scores):

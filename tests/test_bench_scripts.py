@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "bench"))
 import allocators  # noqa: E402
+import batches  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
 import gpu_check  # noqa: E402
@@ -67,12 +68,36 @@ def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
     assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2
 
 
+def test_batches_times_this_trees_batching_and_another_commits_on_the_same_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "MULTI30K_TRAIN", 2000)
+    out = tmp_path / "batches.json"
+    run(batches.main, ["--before", "HEAD", "--rounds", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["sentences"] == 2000 and set(report["us_a_sentence"]) == {"now", "HEAD"}
+    assert all(us > 0 for us in report["us_a_sentence"].values())
+
+
+def test_batches_stops_where_another_commits_batches_differ(monkeypatch):
+    original = batches.batching_at
+
+    def reordered(rev):  # a version that puts every batch's sentences in reverse order
+        module = original(rev)
+        batch = module.ParallelCorpus.batch
+        monkeypatch.setattr(module.ParallelCorpus, "batch", lambda self, index: batch(self, index[::-1]))
+        return module
+
+    monkeypatch.setattr(bench, "MULTI30K_TRAIN", 500)
+    monkeypatch.setattr(batches, "batching_at", reordered)
+    result = CliRunner().invoke(batches.main, ["--before", "HEAD", "--rounds", "1"])
+    assert result.exit_code == 1 and "the batches differ from HEAD's" in result.output
+
+
 def test_loss_memory_measures_both_losses_whole_and_fused_in_each_precision():
     out = run(loss_memory.main, ["--tokens", "400", "--vocab", "300", "--d-model", "16", "--reps", "1"])
     precisions = 1 + use_bf16("auto", torch.device("cpu"))
     assert out.count("MB whole") == out.count("MB fused") == out.count(" s a call ") == 2 * precisions
     assert "token_loss fp32: peak " in out and "rdrop_loss fp32: peak " in out
-    assert "(the code takes the whole loss)" in out
+    assert "(the code takes the fused loss)" in out  # at any size, with the model's Linear generator
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")

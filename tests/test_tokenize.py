@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer.io import DataError, read_lines
+from transformer.io import DataError, count_lines, read_lines
 from transformer.tokenize import JOINER, Tokenizer, detokenize, tokenize_corpus
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/corpora/multi30k"
@@ -174,3 +174,10 @@ def test_read_lines_keeps_empty_lines_and_strips_carriage_returns(tmp_path):
     assert read_lines(path) == ["a", "", "b"]
     path.write_bytes(b"a\nb")  # no final newline: the last line still counts
     assert read_lines(path) == ["a", "b"]
+
+
+@pytest.mark.parametrize("data", [b"", b"\n", b"a", b"a\n", b"a\nb", b"a\r\n\r\nb\n", b"\n\n"])
+def test_count_lines_counts_what_read_lines_reads(tmp_path, data):
+    path = tmp_path / "x.txt"
+    path.write_bytes(data)
+    assert count_lines(path) == len(read_lines(path))

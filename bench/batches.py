@@ -16,13 +16,13 @@ reports/train/train.json, batch_wait_ms in MLflow.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import click
@@ -38,12 +38,9 @@ def batching_at(rev: str):
     source = subprocess.run(
         ["git", "show", f"{rev}:transformer/batching.py"], cwd=bench.ROOT, capture_output=True, text=True, check=True
     ).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"batching_{rev}", f.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = types.ModuleType(f"batching_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up there
+    exec(compile(source, f"{rev}:transformer/batching.py", "exec"), module.__dict__)
     return module
 
 

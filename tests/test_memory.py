@@ -29,7 +29,7 @@ _ALLOCATOR = """
 import os
 from transformer.memory import allocator, keep_freed_memory, preload_allocator
 preload_allocator()
-print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"))
+print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"), os.environ.get("MIMALLOC_ALLOW_THP"))
 """
 
 
@@ -37,13 +37,13 @@ print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"))
 def test_a_process_that_preloads_runs_itself_again_on_mimalloc_and_leaves_glibcs_settings_alone():
     done = _run(_ALLOCATOR)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["mimalloc", "False", memory.KEEP_FREED_PAGES]
+    assert done.stdout.split() == ["mimalloc", "False", *memory.MIMALLOC_OPTIONS.values()]
 
 
 def test_glibc_asked_for_stays_glibc_and_takes_its_settings():
     done = _run(_ALLOCATOR, **{memory.ALLOCATOR_ENV: "glibc"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["glibc", "True", "None"]
+    assert done.stdout.split() == ["glibc", "True", "None", "None"]
 
 
 def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeypatch):

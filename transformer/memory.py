@@ -19,10 +19,12 @@ from pathlib import Path
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (<malloc.h>)
 ALLOCATOR_ENV = "TRANSFORMER_ALLOCATOR"  # "glibc": stay on glibc's malloc (comparisons); else mimalloc where installed
 _MIMALLOC = ("cmeel-mimalloc", "cmeel.prefix/lib/libmimalloc.so")  # the wheel, and the library's place in it
-# mimalloc's purge delay (ms), unless the environment sets one: never. Its size classes keep the
-# freed pages few, and an update reuses them at once; returned to the system, each would fault
-# in again, the cost glibc's kept heap avoided (docs/speed.md).
-KEEP_FREED_PAGES = "-1"
+# mimalloc's options, unless the environment sets them. Purge delay (ms): never. Its size classes
+# keep the freed pages few, and an update reuses them at once; returned to the system, each would
+# fault in again, the cost glibc's kept heap avoided. Transparent huge pages: off. Asked for them,
+# the kernel clears 2 MiB at every first touch of an arena's pages, which an update's large fp32
+# blocks kept doing, and the resident set rounds up to them (docs/speed.md).
+MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"}
 
 
 def preload_allocator() -> None:
@@ -35,7 +37,7 @@ def preload_allocator() -> None:
     if lib is None or os.environ.get(ALLOCATOR_ENV) == "glibc" or str(lib) in preloaded or allocator() == "mimalloc":
         return  # the check on LD_PRELOAD: a library the loader refused is not asked for again
     preload = " ".join(filter(None, [str(lib), preloaded]))
-    env = {"MIMALLOC_PURGE_DELAY": KEEP_FREED_PAGES} | os.environ | {"LD_PRELOAD": preload}
+    env = MIMALLOC_OPTIONS | os.environ | {"LD_PRELOAD": preload}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)

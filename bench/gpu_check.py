@@ -11,7 +11,7 @@ On cuda:0 it measures, in order:
 - peaks: a bf16 and an fp32 matmul's TFLOP/s (fp32 in TF32, as training multiplies it): MFU's
   denominator, measured as bench.py measures its CPU's;
 - train: the base and big models of wmt14_en_de_base and wmt14_en_de_big, compile off and on, an
-  update as training runs it (make_model, make_optimizer, batch_loss, set_precision's bf16 or TF32,
+  update as training runs it (make_model, make_optimizer, StepLoss, set_precision's bf16 or TF32,
   training's attention kernels) over token batches of a synthetic WMT-shaped corpus (about 31
   tokens a side, log-normal) at the preset's train.max_tokens and train.accum: target tokens/s, MFU
   with bench.train_flops (the bench's FLOPs a token), ms an update, the share of it the GPU spent
@@ -49,17 +49,17 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench  # noqa: E402  (its FLOPs a token: bench.train_flops)
+import transformer.train  # noqa: E402
 from transformer import checkpoints  # noqa: E402
 from transformer.attention import attention_kernels  # noqa: E402
 from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import params_from_dict  # noqa: E402
 from transformer.distributed import set_precision  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.loss import batch_loss  # noqa: E402
 from transformer.memory import peak_rss_mb  # noqa: E402
 from transformer.model import make_model  # noqa: E402
 from transformer.presets import recipe  # noqa: E402
-from transformer.train import make_optimizer  # noqa: E402
+from transformer.train import StepLoss, make_optimizer  # noqa: E402
 from transformer.vocab import PAD  # noqa: E402
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
@@ -132,16 +132,15 @@ def update_step(params, vocab: int, device: torch.device, compiled: bool, backen
     config = {"src_vocab": vocab, "tgt_vocab": vocab, "pad": PAD} | dataclasses.asdict(params.model)
     model = make_model(**config).to(device).train()
     optimizer = make_optimizer(model, params.train.weight_decay, device)
-    forward = torch.compile(model, backend=backend) if compiled else model
+    loss_of = StepLoss(model, params.train.label_smoothing)  # the model, its generator and the loss
+    loss_of = transformer.train.compiled(loss_of, backend) if compiled else loss_of
     bf16 = set_precision(params.train.precision, device)
-    smoothing = params.train.label_smoothing
 
     def update(micro: list[Batch]) -> None:
         tokens = sum(b.ntokens for b in micro)
         for batch in micro:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), attention_kernels(device, bf16):
-                loss = batch_loss(forward, model, batch, PAD, smoothing)
-                (loss / tokens).backward()
+                (loss_of(batch) / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, epoch_steps, token_batches
+from transformer.batching import (
+    ParallelCorpus,
+    Prefetch,
+    TrainingSplit,
+    batch_shapes,
+    epoch_steps,
+    token_batches,
+)
 from transformer.io import DataError
 from transformer.vocab import BOS, EOS, PAD
 
@@ -131,6 +138,41 @@ def test_whole_batch_gathers_equal_the_sentence_by_sentence_batches(tmp_path):
         for built, expected in zip((batch.src, batch.tgt_in, batch.tgt_out), _sentence_by_sentence(corpus, index)):
             assert torch.equal(built, expected), index
         assert batch.ntokens == corpus.tokens(index) == sum(len(lines[150 + i]) + 1 for i in index)
+
+
+def test_a_batch_padded_to_a_multiple_is_the_exact_batch_with_pad_columns_added(tmp_path):
+    corpus = _corpus(tmp_path, [[5, 6, 7], [8], [9] * 8], [[11, 12], [13, 14, 15], [16] * 9])
+    for index in ([0, 1], [2], [0, 1, 2]):
+        exact, padded = corpus.batch(index), corpus.batch(index, 8)
+        for e, p in zip((exact.src, exact.tgt_in, exact.tgt_out), (padded.src, padded.tgt_in, padded.tgt_out)):
+            assert p.size(1) % 8 == 0 and 0 <= p.size(1) - e.size(1) < 8, index
+            assert torch.equal(p[:, : e.size(1)], e) and bool((p[:, e.size(1) :] == PAD).all())
+        assert padded.ntokens == exact.ntokens
+        assert corpus.shape(index, 8) == (len(index), padded.src.size(1), padded.tgt_in.size(1))
+
+
+def test_token_batches_padded_to_a_multiple_stay_within_max_tokens_and_have_fewer_shapes():
+    src, tgt = _lengths(400)
+    offsets = {
+        side: torch.cat([torch.zeros(1, dtype=torch.long), (n - 1).cumsum(0)]) for side, n in zip("st", (src, tgt))
+    }
+    data = {"src": torch.zeros(int(src.sum())), "tgt": torch.zeros(int(tgt.sum()))}  # lines with these lengths + 1
+    corpus = ParallelCorpus(data=data | {"src_offsets": offsets["s"], "tgt_offsets": offsets["t"]})
+    for multiple in (1, 8):
+        batches = token_batches(src, tgt, 120, seed=1, multiple=multiple)
+        assert sorted(i for b in batches for i in b) == list(range(len(src)))
+        for b in batches:
+            _, S, T = corpus.shape(b, multiple)
+            assert S % multiple == T % multiple == 0 and max(S, T) * len(b) <= 120
+    exact, padded = (batch_shapes(corpus, [token_batches(src, tgt, 120, 1, m)], m) for m in (1, 8))
+    assert padded < exact
+
+
+def test_batch_shapes_counts_the_distinct_src_and_target_shapes_of_every_micro_batch(tmp_path):
+    corpus = _corpus(tmp_path, [[5], [6, 7], [8, 9, 10], [5]], [[5], [6], [7, 8], [9]])
+    groups = [[[0], [3]], [[1], [2]], [[0, 3]]]  # (1, 2, 2) twice, (1, 3, 2), (1, 4, 3), (2, 2, 2)
+    assert batch_shapes(corpus, groups, 1) == 4
+    assert batch_shapes(corpus, groups, 8) == 2  # (1, 8, 8) and (2, 8, 8)
 
 
 def test_a_batch_of_empty_lines_holds_only_the_markers(tmp_path):

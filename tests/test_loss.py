@@ -339,3 +339,30 @@ def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
     with _Matmuls() as training:
         token_loss(model, hidden, tgt_out, PAD, 0.0)
     assert (plain.count, training.count) == (3, 9)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_batch_padded_to_a_multiple_of_8_has_the_exact_batchs_loss_and_gradients(loss):
+    """The padding train.pad_multiple adds is masked everywhere: the loss and every gradient stay those
+    of the batch padded to its longest line, to float32's rounding (the padded side may pack on a CPU)."""
+    from transformer.batching import ParallelCorpus
+
+    g = torch.Generator().manual_seed(4)
+    lens = {side: torch.randint(1, 12, (6,), generator=g) for side in ("src", "tgt")}
+    data = {side: torch.randint(4, 30, (int(n.sum()),), generator=g, dtype=torch.int32) for side, n in lens.items()}
+    offsets = {
+        f"{side}_offsets": torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for side, n in lens.items()
+    }
+    corpus = ParallelCorpus(data=data | offsets)
+
+    def loss_and_gradients(multiple: int) -> tuple[float, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)  # the same weights, and partial R-Drop's same draw
+        model = tiny_model(src_vocab=30, tgt_vocab=30, tie_embeddings=True).train()
+        value = batch_loss(model, model, corpus.batch(list(range(6)), multiple), PAD, **LOSSES[loss])
+        value.backward()
+        return float(value.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+    (exact, expected), (padded, got) = loss_and_gradients(1), loss_and_gradients(8)
+    assert padded == pytest.approx(exact, rel=1e-6)
+    for name, grad in expected.items():
+        assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max())), name

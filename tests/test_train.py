@@ -856,3 +856,102 @@ def test_a_member_trained_with_other_params_is_refused_by_name(tmp_path, vocab_d
 
 def _final(out: Path) -> dict:
     return checkpoints.load(checkpoints.listed(out / "ckpt")[-1])
+
+
+class _Recorder:
+    """A tracker that keeps the metrics logged to it and accepts every other call."""
+
+    run_id = "recorded"
+
+    def __init__(self):
+        self.metrics: list[dict[str, float]] = []
+
+    def factory(self, *args) -> _Recorder:
+        return self
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metrics.append(metrics | {"step": step})
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def test_the_report_counts_each_epochs_batch_shapes_and_padding_to_8_makes_fewer(tmp_path, vocab_dir):
+    from transformer.batching import ParallelCorpus, batch_shapes
+    from transformer.train import epoch_groups, train
+
+    corpus = ParallelCorpus(vocab_dir / "train.pt")
+    counts = {}
+    for multiple in (1, 8):
+        params = params_from_dict(tiny_params(**{"train.epochs": 2, "train.pad_multiple": multiple}))
+        tracker = _Recorder()
+        summary = train(params, vocab_dir, train_outputs(tmp_path / str(multiple)), tracker.factory)
+        expected = {e + 1: batch_shapes(corpus, epoch_groups(corpus, params.train, e), multiple) for e in (0, 1)}
+        assert summary["batch_shapes"] == expected
+        report = json.loads((tmp_path / str(multiple) / "reports" / "train.json").read_text())
+        assert report["batch_shapes"] == {str(e): n for e, n in expected.items()}
+        assert [m["batch_shapes"] for m in tracker.metrics if "batch_shapes" in m] == list(expected.values())
+        counts[multiple] = max(expected.values())
+    assert 0 < counts[8] < counts[1]
+
+
+def _toy_batches(vocab_dir, multiple: int, count: int):
+    from transformer.batching import ParallelCorpus, token_batches
+
+    corpus = ParallelCorpus(vocab_dir / "train.pt")
+    return [
+        corpus.batch(i, multiple) for i in token_batches(corpus.src_lens, corpus.tgt_lens, 400, 1, multiple)[:count]
+    ]
+
+
+def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
+    """Model, generator and loss under torch.compile (aot_eager: the graphs dynamo captures, run without
+    a C++ build), on batches of changing shapes, with partial R-Drop as the default recipe trains."""
+    from transformer.train import StepLoss, compiled
+
+    batches = _toy_batches(vocab_dir, 8, 3)
+    assert len({b.src.shape for b in batches}) > 1
+    torch.manual_seed(0)
+    model = _tiny_toy_model()
+    step = StepLoss(model, 0.1, share=0.5)
+    traced = compiled(step, "aot_eager")
+    for batch in batches:
+        results = []
+        for way in (step, traced):
+            torch.manual_seed(1)  # partial R-Drop draws the same sentences
+            loss = way(batch, 5.0)
+            loss.backward()
+            results.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad(set_to_none=True)
+        (eager, expected), (value, got) = results
+        assert value == pytest.approx(eager, rel=1e-5)
+        for name, grad in expected.items():
+            assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max())), name
+
+
+def _tiny_toy_model():
+    from conftest import tiny_model
+
+    return tiny_model(src_vocab=120, tgt_vocab=120, tie_embeddings=True).train()
+
+
+def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(
+    tmp_path, vocab_dir, monkeypatch, caplog
+):
+    """train.compile with dropout and R-Drop on half the sentences (the default recipe's): our CPU dropout
+    masks and R-Drop's written-out loss must not break the graph at each call, nor each shape retrace."""
+    import torch._dynamo.utils
+
+    import transformer.train as train_module
+
+    compiled = train_module.compiled
+    monkeypatch.setattr(train_module, "compiled", lambda step: compiled(step, "aot_eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    overrides = {"train.compile": True, "train.rdrop": 10.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
+    params = params_from_dict(tiny_params(**overrides | {"train.epochs": 1}))
+    summary = train_module.train(params, vocab_dir, train_outputs(tmp_path))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert summary["steps"] > 10 and summary["batch_shapes"][1] > graphs  # fewer traces than shapes
+    assert 0 < graphs <= 8, graphs  # each frame once, and again at most where duck sizing guessed S == T
+    assert "recompile_limit" not in caplog.text and math.isfinite(summary["val_loss"])

@@ -66,28 +66,46 @@ class ParallelCorpus:
     def __len__(self) -> int:
         return len(self.src_lens)
 
-    def batch(self, index: list[int]) -> Batch:
-        """Pairs `index` as padded tensors, built as whole-batch gathers, not sentence by sentence."""
+    def batch(self, index: list[int], multiple: int = 1) -> Batch:
+        """Pairs `index` as padded tensors, built as whole-batch gathers, not sentence by sentence;
+        each side padded to its longest line, rounded up to a multiple of `multiple`."""
         rows = torch.tensor(index)
+        _, S, T = self.shape(index, multiple)
         return Batch(
-            _lines(self.src, self.src_off, rows, bos=False),
-            _lines(self.tgt, self.tgt_off, rows, bos=True),
-            _lines(self.tgt, self.tgt_off, rows, bos=False),
+            _lines(self.src, self.src_off, rows, S, bos=False),
+            _lines(self.tgt, self.tgt_off, rows, T, bos=True),
+            _lines(self.tgt, self.tgt_off, rows, T, bos=False),
             int(self.tgt_lens[rows].sum()),
         )
+
+    def shape(self, index: list[int], multiple: int = 1) -> tuple[int, int, int]:
+        """(B, S, T) of batch(index, multiple): src is (B, S), tgt_in and tgt_out are (B, T)."""
+        S, T = (_round_up(int(lens[index].max()), multiple) for lens in (self.src_lens, self.tgt_lens))
+        return len(index), S, T
 
     def tokens(self, index: list[int]) -> int:
         """Target tokens (non-pad) of pairs `index`."""
         return int(self.tgt_lens[index].sum())
 
 
-def _lines(ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, bos: bool) -> torch.Tensor:
-    """Lines `rows` of a corpus, <s> before each (bos) or </s> after it, right-padded with PAD."""
+def _round_up(n, multiple: int):
+    """n (an int or a tensor of them) rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
+def batch_shapes(corpus: ParallelCorpus, groups: list[list[list[int]]], multiple: int) -> int:
+    """How many distinct (src, tgt_in) shapes the micro-batches of `groups` (an epoch's updates) have:
+    kernels specialized to a shape (torch.compile's static ones, cuDNN's plans) are made for each."""
+    return len({corpus.shape(index, multiple) for group in groups for index in group})
+
+
+def _lines(ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, width: int, bos: bool) -> torch.Tensor:
+    """Lines `rows` of a corpus, <s> before each (bos) or </s> after it, right-padded with PAD to `width`."""
     starts = offsets[rows].long()
     lens = offsets[rows + 1].long() - starts
     line = torch.repeat_interleave(torch.arange(len(rows)), lens)
     within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    out = torch.full((len(rows), int(lens.max()) + 1), PAD, dtype=torch.long)
+    out = torch.full((len(rows), width), PAD, dtype=torch.long)
     out[line, within + int(bos)] = ids[torch.repeat_interleave(starts, lens) + within].long()
     if bos:
         out[:, 0] = BOS
@@ -101,8 +119,10 @@ class Prefetch:
     (pinned for the copy where the device is CUDA), at most `depth` updates ahead. A context manager:
     leaving it stops the thread, also when the loop stops early; the thread's error is raised in the loop."""
 
-    def __init__(self, corpus: ParallelCorpus, groups: list[list[list[int]]], rank: int, world: int, device, depth=2):
-        self.corpus, self.groups, self.rank, self.world = corpus, groups, rank, world
+    def __init__(
+        self, corpus: ParallelCorpus, groups: list[list[list[int]]], rank: int, world: int, device, multiple=1, depth=2
+    ):
+        self.corpus, self.groups, self.rank, self.world, self.multiple = corpus, groups, rank, world, multiple
         self.pin = device.type == "cuda"
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
@@ -133,7 +153,7 @@ class Prefetch:
         try:
             for group in self.groups:
                 mine = group[self.rank :: self.world]
-                batches = [self.corpus.batch(index) for index in mine]
+                batches = [self.corpus.batch(index, self.multiple) for index in mine]
                 if self.pin:
                     batches = [b.pinned() for b in batches]
                 if not self._put((batches, sum(self.corpus.tokens(b) for b in group), sum(b.ntokens for b in batches))):
@@ -178,14 +198,18 @@ class TrainingSplit:
         return ParallelCorpus(data=data)
 
 
-def token_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_tokens: int, seed: int) -> list[list[int]]:
-    """Sentence indices grouped by length so that a padded batch side holds at most max_tokens.
+def token_batches(
+    src_lens: torch.Tensor, tgt_lens: torch.Tensor, max_tokens: int, seed: int, multiple: int = 1
+) -> list[list[int]]:
+    """Sentence indices grouped by length so that a batch side, padded to its longest line rounded up
+    to a multiple of `multiple` (ParallelCorpus.batch), holds at most max_tokens.
 
     Same-length sentences are shuffled by `seed`, and so is the order of the batches."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(src_lens), generator=g)
     order = perm[torch.argsort(tgt_lens[perm] * 10_000 + src_lens[perm], stable=True)].tolist()
-    longer_side = torch.maximum(src_lens, tgt_lens).tolist()  # a list: indexing tensors one element at a time is slow
+    # a list: indexing tensors one element at a time is slow
+    longer_side = _round_up(torch.maximum(src_lens, tgt_lens), multiple).tolist()
     batches, current, longest = [], [], 0
     for i in order:
         n = longer_side[i]

@@ -61,6 +61,7 @@ class TrainConfig:
     seed: int
     members: int  # models trained, member k with seed + k, and searched as one ensemble; 1: a single model
     max_tokens: int
+    pad_multiple: int  # each batch side padded to a multiple of this many tokens; 1: to its longest line
     accum: int
     epochs: int
     factor: float
@@ -170,6 +171,7 @@ POSITIVE = {
     "train.nnodes",
     "train.members",
     "train.max_tokens",
+    "train.pad_multiple",
     "train.accum",
     "train.epochs",
     "train.factor",
@@ -344,7 +346,7 @@ def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
 
 # train keys added since checkpoints were first written, with the value that trains as those
 # checkpoints' runs did: a run written before a key resumes, or joins an ensemble, under it.
-ADDED_TRAIN_KEYS = {"ddp_bf16_grads": False}
+ADDED_TRAIN_KEYS = {"ddp_bf16_grads": False, "pad_multiple": 1}
 
 
 def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

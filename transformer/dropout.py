@@ -5,7 +5,8 @@ else with its Mersenne Twister, one 64-bit draw a value, single-threaded: about 
 a training update here (bench/update_profile.py). These masks take 16 bits a value from the
 Twister's 64-bit draws (`random_` over the whole int64 range), so one draw serves four values,
 the same draws on every CPU; a value is dropped with p rounded to a multiple of 2^-16 and the
-kept ones scaled by the inverse of the rounded keep rate. On a GPU, torch's own fused dropout.
+kept ones scaled by the inverse of the rounded keep rate. On a GPU, and under torch.compile
+(which traces torch's and draws its own masks), torch's own fused dropout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """x with each value zeroed with chance p (to 2^-16) and the rest scaled to keep the mean."""
     if not training or p == 0 or x.numel() == 0:
         return x
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():  # random_ would break a compiled graph
         return F.dropout(x, p, True)
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value

@@ -49,7 +49,14 @@ def rdrop_loss(
     rows, target = _kept(hidden, tgt_out.repeat(2, 1), pad)  # the first pass's rows, then the second's
     if _fuses(model, rows):
         return _fused(model.generator, rows, target, pad, smoothing, alpha, zero_pad)
-    return _RDrop.apply(model.generator(rows), target, pad, smoothing, alpha, zero_pad)  # one projection of both
+    return _rdrop_of_logits(model.generator(rows), target, pad, smoothing, alpha, zero_pad)  # one projection of both
+
+
+@torch.compiler.disable  # dynamo fails on _RDrop's sizes derived from a symbolic batch: compiled, it runs eager
+def _rdrop_of_logits(
+    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float, zero_pad: bool
+) -> torch.Tensor:
+    return _RDrop.apply(logits, target, pad, smoothing, alpha, zero_pad)
 
 
 def batch_loss(
@@ -218,9 +225,12 @@ def _add_smoothed_nll_gradient(
 
 def _fuses(model: nn.Module, rows: torch.Tensor) -> bool:
     """Whether the loss of rows (m, d_model) runs fused (_Fused): where it has more than FUSE_ABOVE
-    logits and the generator is a Linear, whose math _Fused repeats."""
+    logits and the generator is a Linear, whose math _Fused repeats. Never under torch.compile: its
+    loop over chunks would be unrolled, one trace for every number of rows."""
     generator = model.generator
-    return isinstance(generator, nn.Linear) and rows.size(0) * generator.out_features > FUSE_ABOVE
+    if torch.compiler.is_compiling() or not isinstance(generator, nn.Linear):
+        return False
+    return rows.size(0) * generator.out_features > FUSE_ABOVE
 
 
 def _fused(

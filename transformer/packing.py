@@ -13,8 +13,9 @@ PACK_BELOW = 0.8
 
 def counts_on_host(t: torch.Tensor) -> bool:
     """Whether the host may read a count of t's values (how many are real tokens) for free: on a CPU
-    the values are the host's; on an accelerator the host would wait for the device to get there."""
-    return t.device.type == "cpu"
+    the values are the host's; on an accelerator the host would wait for the device to get there,
+    and under torch.compile a shape sized by a count would break the graph."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,8 @@ class Packing:
     @staticmethod
     def of(tokens: torch.Tensor, pad: int) -> Packing | None:
         """The packing of `tokens` (B, T), or None where it does not pay: a side that is mostly
-        real tokens, or an accelerator, where counting them would cost a host sync and
-        data-dependent shapes would defeat torch.compile."""
-        if not counts_on_host(tokens) or torch.compiler.is_compiling():
+        real tokens, or where counting them does not come free (counts_on_host)."""
+        if not counts_on_host(tokens):
             return None
         real = (tokens != pad).flatten()
         if int(real.sum()) >= PACK_BELOW * real.numel():

@@ -20,7 +20,16 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.attention import attention_kernels
-from transformer.batching import ParallelCorpus, Prefetch, TrainingSplit, Update, epoch_steps, token_batches
+from transformer.batching import (
+    Batch,
+    ParallelCorpus,
+    Prefetch,
+    TrainingSplit,
+    Update,
+    batch_shapes,
+    epoch_steps,
+    token_batches,
+)
 from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
 from transformer.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
 from transformer.errors import DataError, TrainingError
@@ -233,7 +242,7 @@ def _references(path: Path | None, lines: int, patience: int, main: bool) -> lis
 
 def epoch_groups(corpus: ParallelCorpus, p: TrainConfig, epoch: int) -> list[list[list[int]]]:
     """An epoch's updates, each the micro-batches (index lists) that its ranks and accumulation sum."""
-    batches = token_batches(corpus.src_lens, corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + epoch)
+    batches = token_batches(corpus.src_lens, corpus.tgt_lens, p.max_tokens, p.seed * 100_003 + epoch, p.pad_multiple)
     return epoch_steps(batches, 1, p.nproc * p.nnodes * p.accum, 0)
 
 
@@ -285,12 +294,35 @@ class Setup:
     meta: dict[str, Any]  # what every checkpoint carries besides the run's state
 
 
+class StepLoss(nn.Module):
+    """A micro-batch's training loss (loss.batch_loss) as one module around the model, so that DDP
+    wraps, and torch.compile traces, the model, its generator and the loss together."""
+
+    def __init__(self, model: nn.Module, smoothing: float, zero_pad=False, shared_encoder=False, share=1.0):
+        super().__init__()
+        self.model, self.smoothing, self.zero_pad = model, smoothing, zero_pad
+        self.shared_encoder, self.share = shared_encoder, share
+
+    def forward(self, batch: Batch, rdrop: float = 0.0) -> torch.Tensor:
+        """The loss summed over the batch's target tokens; R-Drop's with rdrop > 0."""
+        m = self.model
+        return batch_loss(m, m, batch, PAD, self.smoothing, rdrop, self.zero_pad, self.shared_encoder, self.share)
+
+
+def compiled(step: nn.Module, backend: str = "inductor") -> nn.Module:
+    """`step` under torch.compile, every size of the batch symbolic from the first trace on: token
+    batches change B, S and T all the time, and a trace for each would soon hit dynamo's recompile limit."""
+    return torch.compile(step, dynamic=True, backend=backend)
+
+
 class _Loop:
     def __init__(self, setup: Setup, progress: Progress, tracker, started: float):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
         self.model, self.optimizer = setup.model, setup.optimizer
-        ddp = wrap_ddp(self.model, self.p.ddp_bf16_grads) if self.env.world > 1 else self.model
-        self.step_model = torch.compile(ddp) if self.p.compile else ddp
+        p = self.p
+        step = StepLoss(self.model, p.label_smoothing, p.smoothing_zeroes_pad, p.rdrop_shared_encoder, p.rdrop_share)
+        ddp = wrap_ddp(step, p.ddp_bf16_grads) if self.env.world > 1 else step
+        self.step_model = compiled(ddp) if p.compile else ddp
         self.split, self.valid, self.progress, self.tracker = setup.split, setup.valid, progress, tracker
         self.corpus = setup.split.fixed  # the current epoch's pairs
         self.out, self.ckpt_dir, self.meta = setup.out, setup.out.checkpoints, setup.meta
@@ -300,6 +332,7 @@ class _Loop:
         self.tick, self.tick_tokens = time.perf_counter(), 0  # start and target tokens of the current timing window
         self.tick_wait_s = 0.0  # of the window, the time the loop waited for batches
         self.batch_wait_s = 0.0  # the same, over this invocation
+        self.batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
         self.peaks: list[float] = []  # every rank's peak resident set (MiB), as of the last collective
         self.references, self.stopped = setup.references, False
         # The run's wall time: the earlier invocations' (as the checkpoint resumed from holds it) and this one's.
@@ -324,6 +357,7 @@ class _Loop:
             # cooldown still ends at the last update, and a resumed run plans as the uninterrupted one.
             planned = pr.step - pr.step_in_epoch + len(groups) * (p.epochs - pr.epoch)
             self.planned_updates = min(planned, p.max_steps) if p.max_steps else planned
+            self._count_shapes(groups)
             self._epoch(groups)
             if self._done():
                 break
@@ -342,6 +376,14 @@ class _Loop:
         ranks = [None] * self.env.world
         dist.all_gather_object(ranks, mine)
         return ranks
+
+    def _count_shapes(self, groups: list[list[list[int]]]) -> None:
+        """The distinct batch shapes of the epoch's micro-batches, every rank's: in train.json by epoch
+        number, in MLflow at the epoch's first update."""
+        epoch = self.progress.epoch + 1
+        self.batch_shapes[epoch] = batch_shapes(self.corpus, groups, self.p.pad_multiple)
+        if self.tracker:
+            self.tracker.log_metrics({"batch_shapes": self.batch_shapes[epoch]}, self.progress.step + 1)
 
     def _epoch_corpus(self) -> ParallelCorpus:
         if not self.split.dropout:
@@ -375,7 +417,8 @@ class _Loop:
         )
         self.tick, self.tick_tokens, self.tick_wait_s = time.perf_counter(), 0, 0.0
         env = self.env
-        with Prefetch(self.corpus, groups[pr.step_in_epoch :], env.rank, env.world, env.device) as updates:
+        left = groups[pr.step_in_epoch :]
+        with Prefetch(self.corpus, left, env.rank, env.world, env.device, self.p.pad_multiple) as updates:
             for update in updates:
                 self._update(update)
                 bar.update(1)
@@ -422,18 +465,7 @@ class _Loop:
 
     def _loss(self, batch) -> torch.Tensor:
         """loss.batch_loss with this run's smoothing and R-Drop params."""
-        p = self.p
-        return batch_loss(
-            self.step_model,
-            self.model,
-            batch,
-            PAD,
-            p.label_smoothing,
-            self._rdrop(),
-            p.smoothing_zeroes_pad,
-            p.rdrop_shared_encoder,
-            p.rdrop_share,
-        )
+        return self.step_model(batch, self._rdrop())
 
     def _rdrop(self) -> float:
         """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the
@@ -616,6 +648,7 @@ class _Loop:
             "resumed_s": round(self.resumed_s, 1),
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
             "batch_wait_s": round(self.batch_wait_s, 3),
+            "batch_shapes": self.batch_shapes,
             "peak_rss_mb": {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)},
         }
         if self.env.main:

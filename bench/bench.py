@@ -36,6 +36,12 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        freed memory for reuse, as training does on glibc's malloc (transformer.memory.keep_freed_memory),
        and the baseline's rows run with glibc's defaults, as the seed does.
     u. the same against e, in bf16.
+    m. c on batches padded to multiples of 8 tokens a side (train.pad_multiple 8), batched for it
+       (fewer sentences where rounding up outgrows max_tokens). Against c: what the padding costs.
+    n. m under torch.compile (train.compile: the model, its generator and the loss, inductor,
+       sizes symbolic), compiled in its warm-up updates. Against m: compile on and off, same batches.
+    o. the same as m against e, in bf16.
+    p. the same as n against o, in bf16.
   The bench runs on the malloc training runs on: mimalloc where it is installed
   (transformer.memory.preload_allocator), and there rows t and u, which are about glibc's
   settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
@@ -51,8 +57,9 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
   project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
   fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse),
   v with r and w with s (what sharing the encoder pass saves R-Drop), x with r and y with s
-  (what R-Drop on half the sentences saves).
-  Rows e, f, s, u, w and y, and the bf16 peak, are left out on a CPU without bf16
+  (what R-Drop on half the sentences saves), m with c and o with e (what padding to 8 costs), n with
+  m and p with o (what torch.compile gains on those batches).
+  Rows e, f, o, p, s, u, w and y, and the bf16 peak, are left out on a CPU without bf16
   hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
   and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
@@ -90,7 +97,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +113,11 @@ from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E
 from transformer.config import load_params  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.loss import batch_loss  # noqa: E402
 from transformer.memory import allocator, keep_freed_memory, peak_rss_mb, preload_allocator  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search  # noqa: E402
 from transformer.system import hardware  # noqa: E402
-from transformer.train import make_optimizer  # noqa: E402
+from transformer.train import StepLoss, compiled, make_optimizer  # noqa: E402
 from transformer.translate import batched_search  # noqa: E402
 from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
 
@@ -220,10 +226,14 @@ def pad_to(batch: Batch, length: int) -> Batch:
 
 
 def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch]]:
-    index = token_batches(corpus.src_lens, corpus.tgt_lens, PARAMS.train.max_tokens, SEED)[:count]
+    lens = (corpus.src_lens, corpus.tgt_lens)
+    index = token_batches(*lens, PARAMS.train.max_tokens, SEED)[:count]
     return {
         "256 sentences": sentence_batches(corpus, 256, count, SEED),
         "token batches": [corpus.batch(i) for i in index],
+        "token batches to 8": [
+            corpus.batch(i, 8) for i in token_batches(*lens, PARAMS.train.max_tokens, SEED, 8)[:count]
+        ],
         "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)],
     }
 
@@ -302,22 +312,25 @@ def ours_step(
     shared_encoder: bool = False,
     device: torch.device = torch.device("cpu"),  # noqa: B008 (a device is immutable)
     share: float = 1.0,
+    compile: bool = False,
 ) -> Step:
     """One update the way transformer.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
     of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
-    training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences.
+    training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences;
+    `compile`: model, generator and loss under torch.compile, as train.compile has them.
     Batches should be on `device` already; the step does not wait for the device."""
     model = ours_model(data, size).to(device).train()
     optimizer = make_optimizer(model, PARAMS.train.weight_decay, device)
     for group in optimizer.param_groups:
         group["lr"] = LEARNING_RATE
-    smoothing = PARAMS.train.label_smoothing
+    loss_of = StepLoss(model, PARAMS.train.label_smoothing, shared_encoder=shared_encoder, share=share)
+    loss_of = compiled(loss_of) if compile else loss_of
     kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), kernels():
-            loss = batch_loss(model, model, batch, PAD, smoothing, rdrop, shared_encoder=shared_encoder, share=share)
+            loss = loss_of(batch, rdrop)
             (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -452,6 +465,7 @@ class TrainRow:
     shared_encoder: bool = False  # with rdrop: one encoder pass for both
     share: float = 1.0  # with rdrop: the share of each batch's sentences run twice
     malloc_defaults: bool = False  # glibc's defaults instead of training's kept freed memory
+    compile: bool = False  # model, generator and loss under torch.compile; it compiles in the warm-up
 
 
 TRAIN_ROWS = (
@@ -469,7 +483,12 @@ TRAIN_ROWS = (
     TrainRow("w", "s with a shared encoder", "token batches", bf16=True, vs="s", rdrop=True, shared_encoder=True),
     TrainRow("x", "r on half the sentences", "token batches", vs="r", rdrop=True, share=0.5),
     TrainRow("y", "s on half the sentences", "token batches", bf16=True, vs="s", rdrop=True, share=0.5),
+    TrainRow("m", "c padded to multiples of 8", "token batches to 8", vs="c"),
+    TrainRow("n", "m compiled", "token batches to 8", vs="m", compile=True),
+    TrainRow("o", "e padded to multiples of 8", "token batches to 8", bf16=True, vs="e"),
+    TrainRow("p", "o compiled", "token batches to 8", bf16=True, vs="o", compile=True),
 )
+COMPILE_WARMUP = 3  # updates: the first trace, and the one more duck sizing may take (S == T at first)
 
 
 def training_rows(
@@ -488,8 +507,18 @@ def training_rows(
         step = (
             baseline_step(data, size)
             if row.baseline
-            else ours_step(data, size, row.bf16, row.default_kernel, rdrop, row.shared_encoder, share=row.share)
+            else ours_step(
+                data,
+                size,
+                row.bf16,
+                row.default_kernel,
+                rdrop,
+                row.shared_encoder,
+                share=row.share,
+                compile=row.compile,
+            )
         )
+        warm = replace(plan, warmup=tuple(max(w, COMPILE_WARMUP) for w in plan.warmup)) if row.compile else plan
         rows.append(
             train_row(
                 row.key,
@@ -499,7 +528,7 @@ def training_rows(
                 batches[row.batches],
                 size,
                 data,
-                plan,
+                warm,
                 peaks[dtype],
                 1 + row.share if rdrop else 1,
                 row.shared_encoder,

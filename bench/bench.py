@@ -325,7 +325,7 @@ def ours_step(
     for group in optimizer.param_groups:
         group["lr"] = LEARNING_RATE
     loss_of = StepLoss(model, PARAMS.train.label_smoothing, shared_encoder=shared_encoder, share=share)
-    loss_of = compiled(loss_of) if compile else loss_of
+    loss_of = compiled(loss_of, COMPILE_BACKEND) if compile else loss_of
     kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
 
     def step(batch: Batch) -> torch.Tensor:
@@ -489,6 +489,7 @@ TRAIN_ROWS = (
     TrainRow("p", "o compiled", "token batches to 8", bf16=True, vs="o", compile=True),
 )
 COMPILE_WARMUP = 3  # updates: the first trace, and the one more duck sizing may take (S == T at first)
+COMPILE_BACKEND = "inductor"  # train.compile's (transformer.train.compiled)
 
 
 def training_rows(

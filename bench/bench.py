@@ -132,6 +132,7 @@ EXTRA = 5  # decoded length = source length + EXTRA
 MAX_BATCHES = 40  # built per training row, warm-up included
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-4  # training's schedule sets one per update; a fixed one times the same work
+COMPILE_BACKEND = "inductor"  # train.compile's (transformer.train.compiled); tests trace with aot_eager
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,6 @@ TRAIN_ROWS = (
     TrainRow("p", "o compiled", "token batches to 8", bf16=True, vs="o", compile=True),
 )
 COMPILE_WARMUP = 3  # updates: the first trace, and the one more duck sizing may take (S == T at first)
-COMPILE_BACKEND = "inductor"  # train.compile's (transformer.train.compiled)
 
 
 def training_rows(
@@ -511,10 +511,10 @@ def training_rows(
             else ours_step(
                 data,
                 size,
-                row.bf16,
-                row.default_kernel,
-                rdrop,
-                row.shared_encoder,
+                bf16=row.bf16,
+                default_kernel=row.default_kernel,
+                rdrop=rdrop,
+                shared_encoder=row.shared_encoder,
                 share=row.share,
                 compile=row.compile,
             )

@@ -20,6 +20,7 @@ from conftest import (
     free_port,
     run,
     same_values,
+    tiny_model,
     tiny_params,
     tool_env,
     torchrun,
@@ -912,7 +913,7 @@ def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
     batches = _toy_batches(vocab_dir, 8, 3)
     assert len({b.src.shape for b in batches}) > 1
     torch.manual_seed(0)
-    model = _tiny_toy_model()
+    model = tiny_model(src_vocab=120, tgt_vocab=120, tie_embeddings=True).train()
     step = StepLoss(model, 0.1, share=0.5)
     traced = compiled(step, "aot_eager")
     for batch in batches:
@@ -927,12 +928,6 @@ def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
         assert value == pytest.approx(eager, rel=1e-5)
         for name, grad in expected.items():
             assert torch.allclose(got[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max())), name
-
-
-def _tiny_toy_model():
-    from conftest import tiny_model
-
-    return tiny_model(src_vocab=120, tgt_vocab=120, tie_embeddings=True).train()
 
 
 def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(

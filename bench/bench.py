@@ -42,10 +42,10 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        sizes symbolic), compiled in its warm-up updates. Against m: compile on and off, same batches.
     o. the same as m against e, in bf16.
     p. the same as n against o, in bf16.
-  The bench runs on the malloc training runs on: mimalloc where it is installed
-  (transformer.memory.preload_allocator), and there rows t and u, which are about glibc's
-  settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
-  bench/allocators.py sets the two side by side.
+  The bench runs with the memory settings training runs with (transformer.memory.training_memory):
+  oneDNN's kernel cache limited, and mimalloc where it is installed, where rows t and u, which
+  are about glibc's settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
+  bench/allocators.py sets them side by side with glibc's heap and oneDNN's default cache.
     v. r with a shared encoder (train.rdrop_shared_encoder): the batch is encoded once and
        decoded twice, so the two passes differ in the decoder's dropout alone. Against r.
        Its MFU credits one encoder pass and two decoder passes.
@@ -113,7 +113,7 @@ from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E
 from transformer.config import load_params  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.memory import allocator, keep_freed_memory, peak_rss_mb, preload_allocator  # noqa: E402
+from transformer.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory  # noqa: E402
 from transformer.model import Transformer, make_model  # noqa: E402
 from transformer.search import beam_search  # noqa: E402
 from transformer.system import hardware  # noqa: E402
@@ -696,6 +696,7 @@ def machine() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "allocator": allocator(),
+        "kernel_cache": kernel_cache(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -822,5 +823,5 @@ def main(
 
 
 if __name__ == "__main__":
-    preload_allocator()  # the malloc training runs on
+    training_memory()  # the kernel cache and malloc training runs with
     main()

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from transformer.config import load_params
-from transformer.memory import preload_allocator
+from transformer.memory import training_memory
 from transformer.stage import PARAMS, Resumed, stage
 
 
@@ -59,5 +59,5 @@ def main(
 
 
 if __name__ == "__main__":
-    preload_allocator()  # before any work: training's blocks on mimalloc where it is installed
+    training_memory()  # before any work: oneDNN's kernel cache limited, training's blocks on mimalloc
     main()

@@ -1,5 +1,6 @@
-"""The process's malloc: training's processes run on mimalloc where it is installed, glibc's
-settings are left alone there, and a training process's memory does not grow with its updates."""
+"""The process's memory: training's processes run on mimalloc where it is installed, glibc's
+settings are left alone there, oneDNN's kernel cache is limited, and a training process's memory
+does not grow with its updates."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 from transformer import memory
+from transformer.distributed import use_bf16
 
 needs_mimalloc = pytest.mark.skipif(
     memory.mimalloc_library() is None, reason="cmeel-mimalloc, a dependency on Linux, is not installed"
@@ -19,7 +22,9 @@ needs_mimalloc = pytest.mark.skipif(
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:  # a hang guard: a loaded host may take minutes
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", memory.ALLOCATOR_ENV)}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", memory.ALLOCATOR_ENV, memory.KERNEL_CACHE_ENV)
+    }
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean | env, timeout=540
     )
@@ -27,9 +32,10 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:  # a hang guard:
 
 _ALLOCATOR = """
 import os
-from transformer.memory import allocator, keep_freed_memory, preload_allocator
-preload_allocator()
-print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"), os.environ.get("MIMALLOC_ALLOW_THP"))
+from transformer.memory import allocator, keep_freed_memory, kernel_cache, training_memory
+training_memory()
+print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"), os.environ.get("MIMALLOC_ALLOW_THP"),
+      kernel_cache())
 """
 
 
@@ -37,13 +43,44 @@ print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"), 
 def test_a_process_that_preloads_runs_itself_again_on_mimalloc_and_leaves_glibcs_settings_alone():
     done = _run(_ALLOCATOR)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["mimalloc", "False", *memory.MIMALLOC_OPTIONS.values()]
+    assert done.stdout.split() == ["mimalloc", "False", *memory.MIMALLOC_OPTIONS.values(), str(memory.KERNEL_CACHE)]
 
 
 def test_glibc_asked_for_stays_glibc_and_takes_its_settings():
     done = _run(_ALLOCATOR, **{memory.ALLOCATOR_ENV: "glibc"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["glibc", "True", "None", "None"]
+    assert done.stdout.split() == ["glibc", "True", "None", "None", str(memory.KERNEL_CACHE)]
+
+
+def test_a_kernel_cache_the_environment_sets_is_kept():
+    done = _run(_ALLOCATOR, **{memory.ALLOCATOR_ENV: "glibc", memory.KERNEL_CACHE_ENV: "200"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "200"
+
+
+# bf16 matmuls of 100 shapes, twice over, in a process set up as training's: how many of the second
+# pass's kernels oneDNN found in its cache (its verbose log says, for each kernel it looks up).
+_KERNELS = """
+import torch
+from transformer.memory import training_memory
+training_memory()
+weight = torch.randn(64, 32, dtype=torch.bfloat16)
+for rows in [*range(1, 101), *range(1, 101)]:
+    torch.randn(rows, 64, dtype=torch.bfloat16) @ weight
+"""
+
+
+@pytest.mark.skipif(
+    not use_bf16("auto", torch.device("cpu")), reason="bf16 matmuls run on oneDNN where the CPU has bf16"
+)
+def test_a_training_process_keeps_few_kernels_and_a_default_cache_would_keep_them_all():
+    def found_again(**env: str) -> int:
+        done = _run(_KERNELS, ONEDNN_VERBOSE="all", OMP_NUM_THREADS="1", **env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.count("create:cache_hit")
+
+    assert found_again() == 0  # 100 shapes outgrow the limit: each was dropped before its turn came again
+    assert found_again(**{memory.KERNEL_CACHE_ENV: str(memory.ONEDNN_KERNEL_CACHE)}) >= 90  # of 100
 
 
 def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeypatch):
@@ -60,8 +97,8 @@ def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeyp
 # set before them, after a first stretch and after about four times as many.
 _UPDATES = """
 import json, torch
-from transformer.memory import keep_freed_memory, preload_allocator
-preload_allocator()
+from transformer.memory import keep_freed_memory, training_memory
+training_memory()
 keep_freed_memory()  # as training does where it runs on glibc
 from transformer.batching import Batch
 from transformer.loss import batch_loss

@@ -26,7 +26,7 @@ from conftest import (
     write_toy_corpus,
 )
 
-from transformer.memory import mimalloc_library
+from transformer.memory import KERNEL_CACHE, mimalloc_library
 
 DVC = str(BIN / "dvc")
 
@@ -117,6 +117,7 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert evaluation.data.params["decode.beam"] == "2"
     assert run_.data.tags["direction"] == "de-en"
     assert run_.data.tags["allocator"] == ("mimalloc" if mimalloc_library() else "glibc")  # the stage preloaded it
+    assert run_.data.tags["kernel_cache"] == str(KERNEL_CACHE)  # and limited oneDNN's cache
     trained = {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert {"model", "vocab", "checkpoints"} <= trained and "reports" not in trained  # the report is the evaluation's
     assert {"translations/test2016.txt", "reports/scores.md", "reports/reproduction.md"} <= {

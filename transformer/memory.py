@@ -7,7 +7,8 @@ they fragment: the resident set grows to several times what an update holds live
 installed with the project (the cmeel-mimalloc wheel), serves blocks by size class, so freed
 blocks serve the next update's without the heap growing. It must be in place before the process
 allocates, so the train stage (and bench.py) run themselves again with it preloaded
-(preload_allocator)."""
+(preload_allocator). Before that they limit oneDNN's cache of built kernels, whose default held
+more memory than the model's updates (training_memory does both)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ _MIMALLOC = ("cmeel-mimalloc", "cmeel.prefix/lib/libmimalloc.so")  # the wheel, 
 # the kernel clears 2 MiB at every first touch of an arena's pages, which an update's large fp32
 # blocks kept doing, and the resident set rounds up to them (docs/speed.md).
 MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"}
+# oneDNN's cache of built kernels (its capacity, unless the environment sets it): one kernel per op
+# and shape (a CPU's bf16 matmuls), about half a MB each. Training's shapes change with every batch
+# and an epoch's do not fit oneDNN's default 1,024 anyway, so that cache held half a GB of kernels
+# rarely used again; 64 still holds those an update builds and reuses across its layers
+# (docs/speed.md).
+KERNEL_CACHE_ENV, KERNEL_CACHE, ONEDNN_KERNEL_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY", 64, 1024
+
+
+def training_memory() -> None:
+    """A training process's memory, set up first thing (the train stage, bench.py): oneDNN's kernel
+    cache limited, then mimalloc preloaded where it is installed (the process is replaced)."""
+    os.environ.setdefault(KERNEL_CACHE_ENV, str(KERNEL_CACHE))  # oneDNN reads it at its first kernel
+    preload_allocator()
+
+
+def kernel_cache() -> int:
+    """The capacity of oneDNN's kernel cache in this process: the environment's, else oneDNN's default."""
+    return int(os.environ.get(KERNEL_CACHE_ENV, ONEDNN_KERNEL_CACHE))
 
 
 def preload_allocator() -> None:

@@ -35,7 +35,7 @@ from transformer.distributed import Dist, process_group, rank_seed, set_precisio
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.loss import batch_loss, token_loss
-from transformer.memory import allocator, keep_freed_memory, peak_rss_mb, release_freed_memory
+from transformer.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
 from transformer.model import make_model
 from transformer.resume import Progress, patience_spent, resume
 from transformer.schedule import rate
@@ -272,6 +272,7 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
             "git_commit": tracking.git_commit(),
             "dvc_exp_name": tracking.dvc_exp_name(),
             "allocator": allocator(),
+            "kernel_cache": kernel_cache(),
             "corpus": d.corpus,
             "direction": f"{d.src_lang}-{d.tgt_lang}",
         }

@@ -14,7 +14,10 @@ profiler records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
 `bernoulli_`, or the `random_` of ours; our masks' comparison counts with the rest), dtype
-casts and copies, and the rest.
+casts and copies, and the rest. Last, the matmuls' speed in their own time against bench.py's
+matmul peak of the update's dtype: the MFU the update would reach if its other ops took no time,
+the ceiling of fusing them away at this model's shapes; and the update's own MFU, its matmuls'
+FLOPs over all its ops' time.
 """
 
 from __future__ import annotations
@@ -45,15 +48,16 @@ KINDS = {  # op name -> kind; ops not named here are "the rest"
 }
 
 
-def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> dict[str, float]:
+def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> tuple[dict[str, float], float]:
     """Self CPU seconds of each op over the updates of batches[warmup:], recorded after the
-    first `warmup` updates."""
+    first `warmup` updates, and the FLOPs of their matmuls."""
     for batch in batches[:warmup]:
         step(batch)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for batch in batches[warmup:]:
             step(batch)
-    return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    ops = prof.key_averages()
+    return {e.key: e.self_cpu_time_total / 1e6 for e in ops}, sum(e.flops for e in ops if KINDS.get(e.key) == "matmuls")
 
 
 def by_kind(times: dict[str, float]) -> dict[str, float]:
@@ -100,9 +104,10 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     step = bench.ours_step(data, bench.SIZES["small"], bf16, rdrop=rdrop, share=share)
     transformer.dropout.dropout = dropout_masks.WAYS[masks]
     try:
-        times = op_times(step, batches, warmup)
+        times, flops = op_times(step, batches, warmup)
     finally:
         transformer.dropout.dropout = dropout_masks.WAYS["ours"]
+    peak = bench.matmul_peak(torch.bfloat16 if bf16 else torch.float32, seconds=2.0)
     total = sum(times.values())
     print(
         f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}"
@@ -113,6 +118,12 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     for op, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {op:<40} {seconds / total:6.1%}")
     print("by kind:", ", ".join(f"{kind} {share:.1%}" for kind, share in by_kind(times).items()))
+    matmuls = flops / 1e9 / sum(seconds for op, seconds in times.items() if KINDS.get(op) == "matmuls")
+    print(
+        f"matmuls: {matmuls:,.0f} GFLOP/s in their own time, {matmuls / peak:.1%} of the matmul peak "
+        f"({peak:,.0f} GFLOP/s): the update's MFU if nothing else took time; "
+        f"the update: {flops / 1e9 / total / peak:.1%} MFU"
+    )
 
 
 if __name__ == "__main__":

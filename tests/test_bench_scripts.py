@@ -2,6 +2,7 @@
 their timings are not checked, only that each row is measured and printed."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_w
     shares = {k.rsplit(" ", 1)[0].strip(): float(k.rsplit(" ", 1)[1].rstrip("%")) for k in kinds.split(",")}
     assert list(shares) == ["matmuls", "dropout masks", "casts and copies", "the rest"]
     assert shares["matmuls"] > 0 and sum(shares.values()) == pytest.approx(100, abs=0.3)
+    mfu = re.search(r"matmuls: [\d,]+ GFLOP/s in their own time, ([\d.]+)% .* the update: ([\d.]+)% MFU", out)
+    ceiling, update = float(mfu[1]), float(mfu[2])
+    assert 0 < update < ceiling  # the matmuls' own time is a part of the whole
+    assert update == pytest.approx(ceiling * shares["matmuls"] / 100, rel=0.05, abs=0.1)
 
 
 def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model():

@@ -341,6 +341,52 @@ def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
     assert (plain.count, training.count) == (3, 9)
 
 
+class _MatmulRows(TorchDispatchMode):
+    """The rows of the first operand of each matrix product but those of the vocabulary (V, rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm") and args[-2].size(0) != FUSED_VOCAB:
+            self.rows.add(args[-2].size(0))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rdrop", [0.0, 5.0], ids=["token loss", "rdrop"])
+def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkeypatch, rdrop):
+    """23 rows in chunks of 10 (R-Drop: 5 pairs): the last one's 3 rows (pairs) are padded to 8 (capped
+    at the chunk), so that oneDNN meets kernels it has built, as packing.Linear's rows; in fp32 they
+    are not. The padding's rows add nothing: the loss and its gradient are the unpadded ones."""
+    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.loss, "_CHUNK", 10 * FUSED_VOCAB)
+    torch.manual_seed(0)
+    model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
+    copies = 2 if rdrop else 1
+    tgt_out = _fused_batch().tgt_out.repeat(copies, 1)
+    hidden = torch.randn(*tgt_out.shape, 16)
+
+    def loss(bf16: bool) -> tuple[set[int], torch.Tensor, torch.Tensor]:
+        x = hidden.clone().requires_grad_()
+        with _MatmulRows() as seen, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if rdrop:
+                value = rdrop_loss(model, x, tgt_out[: len(tgt_out) // 2], PAD, 0.1, rdrop)
+            else:
+                value = token_loss(model, x, tgt_out, PAD, 0.1)
+            value.backward()
+        return seen.rows, value.detach(), x.grad
+
+    rows, value, grad = loss(bf16=True)
+    assert rows == ({10, 8} if not rdrop else {10})
+    assert loss(bf16=False)[0] == ({10, 3} if not rdrop else {10, 6})
+    monkeypatch.setattr(transformer.packing, "row_bucket", lambda rows: rows)
+    unpadded_rows, unpadded, unpadded_grad = loss(bf16=True)
+    assert unpadded_rows == ({10, 3} if not rdrop else {10, 6})
+    torch.testing.assert_close(value, unpadded)
+    torch.testing.assert_close(grad, unpadded_grad)
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 def test_a_batch_padded_to_a_multiple_of_8_has_the_exact_batchs_loss_and_gradients(loss):
     """The padding train.pad_multiple adds is masked everywhere: the loss and every gradient stay those

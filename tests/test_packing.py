@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from torch.profiler import ProfilerActivity, profile
 
 from transformer import packing
 from transformer.packing import Packing
@@ -80,3 +81,41 @@ def test_unpack_restores_the_real_tokens_and_zeroes_the_padding():
     back = p.unpack(p.pack(x))
     real = (SRC != PAD)[..., None]
     assert torch.equal(back, torch.where(real, x, torch.zeros(())))
+
+
+def test_row_buckets_are_eight_an_octave_at_most_an_eighth_above():
+    buckets = {rows: packing.row_bucket(rows) for rows in range(1, 20_000)}
+    for rows, size in buckets.items():
+        assert rows <= size <= rows + max(7, rows // 8) and size % 8 == 0, rows
+        assert packing.row_bucket(size) == size, rows  # a bucket's rows stay as they are
+    assert len({buckets[rows] for rows in range(2049, 4097)}) == 8  # 2,304 to 4,096
+
+
+def _linear_rows_and_result(x: torch.Tensor, bf16: bool) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
+    """The rows of the matmuls a Linear(16, 24) ran on x (forward and backward), its output and gradients."""
+    torch.manual_seed(0)
+    layer = packing.Linear(16, 24)
+    x = x.clone().requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = layer(x)
+        y.float().square().sum().backward()
+    # addmm(bias, x, weightᵀ) forward; mm(grad y, weight) for x's gradient
+    rows = [e.input_shapes[1][0] for e in prof.events() if e.name == "aten::addmm"]
+    rows += [e.input_shapes[0][0] for e in prof.events() if e.name == "aten::mm" and e.input_shapes[1][0] == 24]
+    return rows, y.detach(), [x.grad, layer.weight.grad, layer.bias.grad]
+
+
+def test_a_linear_in_bf16_on_a_cpu_runs_on_bucketed_rows_and_gives_the_unpadded_result():
+    """oneDNN builds a kernel for each row count it meets: padded to row_bucket's sizes, token batches'
+    ever-new counts meet kernels already built. The padding is multiplied and dropped."""
+    x = torch.randn(3, 37, 16)  # 111 rows: bucket 112
+    rows, y, grads = _linear_rows_and_result(x, bf16=True)
+    assert rows == [112, 112]
+    fp32_rows, fp32_y, fp32_grads = _linear_rows_and_result(x, bf16=False)
+    assert fp32_rows == [111, 111]  # fp32 runs on MKL, which builds no kernel per shape
+    assert y.shape == (3, 37, 24) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), fp32_y, atol=0.05, rtol=0.02)
+    for got, expected in zip(grads, fp32_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=0.2, rtol=0.02)

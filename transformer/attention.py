@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer.packing import Packing
+from transformer.packing import Linear, Packing
 
 
 def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
@@ -47,11 +47,11 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.self_attention = self_attention
         if self_attention:
-            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.qkv = Linear(d_model, 3 * d_model)
         else:
-            self.q = nn.Linear(d_model, d_model)
-            self.kv = nn.Linear(d_model, 2 * d_model)
-        self.out = nn.Linear(d_model, d_model)
+            self.q = Linear(d_model, d_model)
+            self.kv = Linear(d_model, 2 * d_model)
+        self.out = Linear(d_model, d_model)
         self.keep_weights = False  # set to record attention maps (figures); slower path
         self.weights: torch.Tensor | None = None
 

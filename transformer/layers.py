@@ -7,7 +7,7 @@ from torch import nn
 
 from transformer.attention import MultiHeadAttention
 from transformer.dropout import Dropout
-from transformer.packing import Packing
+from transformer.packing import Linear, Packing
 
 Cache = dict[str, torch.Tensor]
 
@@ -34,7 +34,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
         super().__init__()
-        self.w_1, self.w_2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.w_1, self.w_2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

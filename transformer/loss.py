@@ -261,20 +261,30 @@ class _Fused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, pad, smoothing, alpha, zero_pad, grads: bool) -> torch.Tensor:
-        dtype = _matmul_dtype(hidden)
+        dtype = packing.matmul_dtype(hidden)
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)  # cast once, as autocast's cache does
         pairs = 2 if alpha is not None else 1  # R-Drop: row i of the first pass and row n + i of the second
-        n = target.size(0) // pairs
-        ce = hidden.new_empty(target.size(0), dtype=torch.promote_types(dtype, torch.float32))
-        kl = ce.new_zeros(n)
-        d_hidden, d_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        m = target.size(0)
+        n = m // pairs
+        # Where oneDNN builds a kernel per shape, the last chunk is padded to row_bucket's sizes (as
+        # packing.Linear pads its rows) with rows of a spare index m: they read row m - 1, target pad
+        # (so their gradient is 0), and write their terms to a spare last entry, dropped after.
+        buckets = packing.builds_kernels(hidden)
+        spare = int(buckets)
+        target = F.pad(target, (0, spare), value=pad)
+        ce = hidden.new_empty(m + spare, dtype=torch.promote_types(dtype, torch.float32))
+        kl = ce.new_zeros(m + spare)
+        d_hidden, d_weight = hidden.new_empty(m + spare, hidden.size(1)), torch.zeros_like(weight)
         d_bias = None if bias is None else torch.zeros_like(bias)
         step = max(1, _CHUNK // (pairs * weight.size(0)))
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen above, as autocast would
             for start in range(0, n, step):
-                index = torch.arange(start, min(start + step, n), device=hidden.device)
-                index = torch.cat([index + k * n for k in range(pairs)])  # (pairs * chunk,)
-                x = hidden.index_select(0, index).to(dtype)  # (pairs * chunk, d_model)
+                rows = min(step, n - start)
+                size = min(packing.row_bucket(rows), step) if buckets else rows
+                index = torch.full((size,), m, device=hidden.device)
+                index[:rows] = torch.arange(start, start + rows, device=hidden.device)
+                index = torch.cat([index + k * n * (index < m) for k in range(pairs)])  # (pairs * size,)
+                x = hidden.index_select(0, index.clamp(max=m - 1)).to(dtype)  # (pairs * size, d_model)
                 g = _chunk_loss(F.linear(x, w, b), target[index], pad, smoothing, alpha, zero_pad, ce, kl, index)
                 if grads:
                     g = g.to(dtype)
@@ -282,6 +292,7 @@ class _Fused(torch.autograd.Function):
                     d_weight += g.t() @ x
                     if d_bias is not None:
                         d_bias += g.sum(0)
+        d_hidden, ce, kl, target = d_hidden[:m], ce[:m], kl[:n], target[:m]
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
         keep = target != pad
         return ce.masked_fill(~keep, 0.0).sum() if alpha is None else _rdrop_sum(ce, kl, keep, alpha)
@@ -330,15 +341,6 @@ def _ce_rows(
         ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
         _add_smoothed_nll_gradient(g[r], lp.exp(), target[r], keep[r], pad, smoothing, zero_pad, 1.0)
     return ce, g
-
-
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the generator's logits of x: autocast's where it is on (it casts float32 and
-    float16/bf16, never float64), else x's own."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
 
 
 def _kept(hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

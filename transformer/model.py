@@ -17,7 +17,7 @@ from transformer.dropout import Dropout
 from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.io import DataError
 from transformer.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
-from transformer.packing import Packing
+from transformer.packing import Linear, Packing
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Transformer(nn.Module):
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
         self.dropout = Dropout(dropout)
-        self.generator = nn.Linear(d_model, tgt_vocab, bias=False)  # pre-softmax projection (section 3.4)
+        self.generator = Linear(d_model, tgt_vocab, bias=False)  # pre-softmax projection (section 3.4)
         if tie_embeddings:
             self.generator.weight = self.tgt_embed.lut.weight
 

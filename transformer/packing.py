@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 # Pack a batch side whose real tokens fill less than this share of its positions: below it packing
 # gains, above it gathering the tokens costs more than the padding it skips (bench/packing.py).
@@ -16,6 +18,49 @@ def counts_on_host(t: torch.Tensor) -> bool:
     the values are the host's; on an accelerator the host would wait for the device to get there,
     and under torch.compile a shape sized by a count would break the graph."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on (it casts float32 and
+    float16/bf16, never float64), else x's own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def row_bucket(rows: int) -> int:
+    """rows rounded up to one of eight sizes an octave (a multiple of 8, at most 1/8 more)."""
+    multiple = max(8, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // multiple) * multiple
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose rows (all dims but the last) are padded up to row_bucket's sizes where a CPU
+    runs it in a half dtype. There oneDNN builds a kernel for each shape it meets, which takes longer
+    than running it at this model's sizes, and token batches give every update new row counts (its
+    tokens, B x T or packed): padded, they repeat from update to update, and the kernels are reused
+    from oneDNN's cache (docs/speed.md). fp32 runs on MKL, which builds nothing; CUDA pads nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        size = row_bucket(rows) if builds_kernels(x) else rows
+        if size == rows:
+            return F.linear(x, self.weight, self.bias)
+        # cast first, as autocast would: the padded copy is then half the size
+        padded = F.pad(x.reshape(rows, x.size(-1)).to(matmul_dtype(x)), (0, 0, 0, size - rows))
+        y = F.linear(padded, self.weight, self.bias)
+        return y[:rows].view(*x.shape[:-1], y.size(-1))
+
+
+def builds_kernels(x: torch.Tensor) -> bool:
+    """Whether a matmul of x runs on oneDNN, which builds a kernel for each shape: on a CPU in bf16
+    or float16 (not when torch.compile traces it: its shapes are symbolic there)."""
+    return (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and matmul_dtype(x) in (torch.bfloat16, torch.float16)
+    )
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,7 @@ def write_json(path: Path | str, obj: Any) -> None:
 
 
 def read_json(path: Path | str) -> Any:
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
+    path = _existing(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -148,23 +146,27 @@ def read_lines(path: Path | str) -> list[str]:
 def iter_lines(path: Path | str) -> Iterator[str]:
     """read_lines one line at a time, for a file too large to hold as str objects (a WMT14 side's
     4.5M lines take about twice the file's size as a list of str)."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
+    path = _existing(path)
     with open(path, "rb") as f:
         yield from _decoded(f, str(path))
 
 
 def count_lines(path: Path | str) -> int:
     """The number of entries read_lines(path) gives, counted in bytes, without decoding them."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
+    path = _existing(path)
     count, last = 0, b"\n"
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
             count, last = count + block.count(b"\n"), block[-1:]
     return count + (last != b"\n")  # a last line without its newline is a line too
+
+
+def _existing(path: Path | str) -> Path:
+    """path, which must exist: else one DataError that names it."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    return path
 
 
 def decode_lines(data: bytes, name: str) -> list[str]:

@@ -5,11 +5,12 @@ Run from the repository root (under a minute on 2 cores):
     python bench/update_profile.py [--vocab-dir data/vocab] [--rdrop 5.0] [--share 1.0] [--masks ours]
         [--updates 4] [--rows 15]
 
-The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam;
-freed memory kept, as training keeps it) in bf16 where the CPU has it, else fp32, over the token
-batches of the corpus in --vocab-dir, else of bench.py's synthetic Multi30k-like one; --rdrop
-0 times the plain update and --share 0.5 R-Drop on half of each batch's sentences; --masks
-torch draws dropout's masks with torch's F.dropout instead of transformer.dropout's. After --warmup untimed updates the
+The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam)
+in bf16 where the CPU has it, else fp32, over the token batches of the corpus in --vocab-dir, else
+of bench.py's synthetic Multi30k-like one, in a process set up as training's
+(transformer.memory.training_memory). --rdrop 0 times the plain update and --share 0.5 R-Drop on
+half of each batch's sentences; --masks torch draws dropout's masks with torch's F.dropout instead
+of transformer.dropout's. After --warmup untimed updates the
 profiler records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
@@ -36,7 +37,7 @@ import dropout_masks  # noqa: E402
 import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import keep_freed_memory  # noqa: E402
+from transformer.memory import training_memory  # noqa: E402
 
 KINDS = {  # op name -> kind; ops not named here are "the rest"
     "aten::mm": "matmuls",
@@ -96,7 +97,6 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
 @click.option("--rows", type=click.IntRange(min=1), default=15, show_default=True, help="Ops listed.")
 def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates: int, warmup: int, rows: int) -> None:
     """Prints where an update's CPU time goes; see the module docstring."""
-    keep_freed_memory()  # as training does
     bf16 = use_bf16("auto", torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         data = bench.load_data(vocab_dir, Path(tmp))
@@ -127,4 +127,5 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
 
 
 if __name__ == "__main__":
+    training_memory()  # as training sets up its process: mimalloc, oneDNN's kernel cache
     main()

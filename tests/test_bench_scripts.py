@@ -20,12 +20,14 @@ import gpu_attention  # noqa: E402
 import gpu_check  # noqa: E402
 import loss_memory  # noqa: E402
 import rdrop_loss  # noqa: E402
+import row_buckets  # noqa: E402
 import scale  # noqa: E402
 import update_profile  # noqa: E402
 
 import bench  # noqa: E402
 import transformer.dropout  # noqa: E402
 import transformer.loss  # noqa: E402
+import transformer.packing  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
 
 
@@ -109,6 +111,29 @@ def test_loss_memory_measures_both_losses_whole_and_fused_in_each_precision():
 def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_path):
     result = CliRunner().invoke(gpu_attention.main, ["--vocab-dir", str(tmp_path)])
     assert result.exit_code == 1 and "needs a CUDA device" in result.output
+
+
+@pytest.mark.parametrize("arm", row_buckets.ARMS)
+def test_row_buckets_times_an_arm_and_leaves_the_buckets_in_place(arm):
+    bucket = transformer.packing.row_bucket
+    out = run(row_buckets.main, ["--arm", arm, "--warmup", "1", "--updates", "2"])
+    timed = json.loads(out.splitlines()[-1])
+    assert timed["ms_per_update"] > 0 and timed["tokens_per_s"] > 0
+    assert transformer.packing.row_bucket is bucket
+
+
+def test_row_buckets_compares_the_medians_of_the_bucketed_arm_with_the_others():
+    def turn(ms: float, speed: float) -> dict:
+        return {"ms_per_update": ms, "tokens_per_s": speed}
+
+    table = row_buckets.summary(
+        {"unbucketed": [turn(10, 100), turn(12, 90), turn(8, 110)], "bucketed": [turn(9, 120), turn(7, 130)]}
+    )
+    assert table == {
+        "unbucketed": {"ms_per_update": 10, "tokens_per_s": 100},
+        "bucketed": {"ms_per_update": 8, "tokens_per_s": 125},
+        "speedup": 1.25,
+    }
 
 
 def test_allocators_compares_each_rows_median_speed_in_each_arm_with_the_firsts():

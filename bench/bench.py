@@ -726,14 +726,36 @@ def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]])
     return "\n".join(lines)
 
 
-@click.command()
-@click.option("--quick", is_flag=True, help="Small size only, shorter rows (about a minute).")
-@click.option(
+# Options the bench scripts share.
+VOCAB_DIR = click.option(
     "--vocab-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="build_vocab output (vocab.pt, train.pt) to use real token ids instead of the synthetic corpus.",
+    help="A build_vocab output (train.pt, vocab.pt) for real token ids; default: the synthetic corpus.",
 )
+
+
+def rdrop_options(rdrop: float) -> Callable:
+    """--rdrop (R-Drop's α, `rdrop` by default; 0: the plain update) and --share (train.rdrop_share)."""
+
+    def options(command: Callable) -> Callable:
+        command = click.option(
+            "--share",
+            type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+            default=1.0,
+            show_default=True,
+            help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
+        )(command)
+        return click.option(
+            "--rdrop", type=click.FloatRange(min=0.0), default=rdrop, show_default=True, help="R-Drop's α; 0: plain"
+        )(command)
+
+    return options
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Small size only, shorter rows (about a minute).")
+@VOCAB_DIR
 @click.option(
     "--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "bench.json", show_default=True
 )

@@ -47,12 +47,7 @@ def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
 
 
 @click.command()
-@click.option(
-    "--vocab-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
-)
+@bench.VOCAB_DIR
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed calls of each way.")
 @click.option(
     "--precision",

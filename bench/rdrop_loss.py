@@ -46,12 +46,7 @@ def rdrop_loss(logits: torch.Tensor, target: torch.Tensor, block: int) -> None:
 
 
 @click.command()
-@click.option(
-    "--vocab-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
-)
+@bench.VOCAB_DIR
 @click.option("--reps", type=int, default=5, show_default=True, help="Timed calls of each way, taking turns.")
 def main(vocab_dir: Path | None, reps: int) -> None:
     """Prints milliseconds per loss and per update, whole and blocked; see the module docstring."""

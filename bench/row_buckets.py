@@ -64,20 +64,8 @@ def summary(runs: dict[str, list[dict]]) -> dict:
 
 
 @click.command()
-@click.option(
-    "--vocab-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
-)
-@click.option("--rdrop", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="R-Drop's α; 0: plain")
-@click.option(
-    "--share",
-    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
-)
+@bench.VOCAB_DIR
+@bench.rdrop_options(0.0)
 @click.option("--warmup", type=click.IntRange(min=0), default=30, show_default=True, help="Untimed updates first.")
 @click.option("--updates", type=click.IntRange(min=1), default=40, show_default=True, help="Updates timed.")
 @click.option("--turns", type=click.IntRange(min=1), default=2, show_default=True, help="Processes of each arm.")

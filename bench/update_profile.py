@@ -71,20 +71,8 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
 
 
 @click.command()
-@click.option(
-    "--vocab-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="A build_vocab output (train.pt, vocab.pt); default: synthetic data.",
-)
-@click.option("--rdrop", type=click.FloatRange(min=0.0), default=5.0, show_default=True, help="R-Drop's α; 0: plain")
-@click.option(
-    "--share",
-    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
-)
+@bench.VOCAB_DIR
+@bench.rdrop_options(5.0)
 @click.option(
     "--masks",
     type=click.Choice(["ours", "torch"]),

@@ -81,7 +81,13 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
     help="Whose dropout masks the model draws.",
 )
 @click.option("--updates", type=click.IntRange(min=1), default=4, show_default=True, help="Updates profiled.")
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed updates first.")
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=30,
+    show_default=True,
+    help="Untimed updates first: enough that oneDNN has built most row buckets' kernels, as in training.",
+)
 @click.option("--rows", type=click.IntRange(min=1), default=15, show_default=True, help="Ops listed.")
 def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates: int, warmup: int, rows: int) -> None:
     """Prints where an update's CPU time goes; see the module docstring."""

@@ -19,6 +19,9 @@ from transformer.distributed import use_bf16
 needs_mimalloc = pytest.mark.skipif(
     memory.mimalloc_library() is None, reason="cmeel-mimalloc, a dependency on Linux, is not installed"
 )
+needs_bf16 = pytest.mark.skipif(
+    not use_bf16("auto", torch.device("cpu")), reason="bf16 matmuls run on oneDNN where the CPU has bf16"
+)
 
 
 def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -29,6 +32,13 @@ def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=clean | env, timeout=540
     )
+
+
+def _onednn_log(code: str, *args: str, **env: str) -> str:
+    """What `code` prints with oneDNN's verbose log on (a line for each kernel it looks up), on one thread."""
+    done = _run(code, *args, ONEDNN_VERBOSE="all", OMP_NUM_THREADS="1", **env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 _ALLOCATOR = """
@@ -72,14 +82,10 @@ for rows in [*range(1, KERNEL_CACHE + 101)] * 2:
 """
 
 
-@pytest.mark.skipif(
-    not use_bf16("auto", torch.device("cpu")), reason="bf16 matmuls run on oneDNN where the CPU has bf16"
-)
+@needs_bf16
 def test_a_training_process_keeps_few_kernels_and_a_default_cache_would_keep_them_all():
     def found_again(**env: str) -> int:
-        done = _run(_KERNELS, ONEDNN_VERBOSE="all", OMP_NUM_THREADS="1", **env)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.count("create:cache_hit")
+        return _onednn_log(_KERNELS, **env).count("create:cache_hit")
 
     assert found_again() == 0  # the shapes outgrow the cache: each was dropped before its turn came again
     assert found_again(**{memory.KERNEL_CACHE_ENV: str(memory.ONEDNN_KERNEL_CACHE)}) > memory.KERNEL_CACHE
@@ -102,14 +108,12 @@ with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
 """
 
 
-@pytest.mark.skipif(
-    not use_bf16("auto", torch.device("cpu")), reason="bf16 matmuls run on oneDNN where the CPU has bf16"
-)
+@needs_bf16
 def test_a_linears_bucketed_rows_meet_kernels_already_built():
     def built(way: str) -> int:
-        done = _run(_ROW_COUNTS, way, ONEDNN_VERBOSE="all", OMP_NUM_THREADS="1")
-        assert done.returncode == 0, done.stderr
-        return sum("create:cache_miss" in line and ",matmul," in line for line in done.stdout.splitlines())
+        return sum(
+            "create:cache_miss" in line and ",matmul," in line for line in _onednn_log(_ROW_COUNTS, way).splitlines()
+        )
 
     assert built("bucketed") == 2  # rows 2,048 and 2,176
     assert built("unpadded") == 100

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "bench"))
 import allocators  # noqa: E402
+import attention_bf16  # noqa: E402
 import batches  # noqa: E402
 import dropout_masks  # noqa: E402
 import gpu_attention  # noqa: E402
@@ -111,6 +112,15 @@ def test_loss_memory_measures_both_losses_whole_and_fused_in_each_precision():
 def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_path):
     result = CliRunner().invoke(gpu_attention.main, ["--vocab-dir", str(tmp_path)])
     assert result.exit_code == 1 and "needs a CUDA device" in result.output
+
+
+def test_attention_bf16_times_both_arms_and_leaves_torchs_switch_as_it_was():
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    out = run(attention_bf16.main, ["--warmup", "1", "--updates", "2", "--rdrop", "5", "--share", "0.5"])
+    assert "R-Drop α 5.0 on 50% of the sentences (2 batches, ms):" in out
+    for arm in attention_bf16.ARMS:
+        assert re.search(rf"^ +{arm} +[0-9.]+ +[0-9.]+× float32 copies's speed$", out, re.MULTILINE), out
+    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
 
 
 @pytest.mark.parametrize("arm", row_buckets.ARMS)

@@ -100,6 +100,25 @@ def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, 
         assert torch.backends.cuda.flash_sdp_enabled()  # fp32: torch's own choice (flash)
 
 
+def test_cpu_bf16_attention_runs_in_bf16():
+    """torch's math kernel copies bf16 queries, keys and values to float32 unless allowed not to;
+    training's kernels allow it for their extent, and the result stays close to float32's."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., 6:] = False
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    with attention_kernels(torch.device("cpu"), True), torch.profiler.profile(record_shapes=True) as prof:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y.sum().backward()
+    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
+    copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[0]]
+    assert not copies  # of a tensor, forward or backward (scalars are cast as ever)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_cuda_training_attends_without_cudnn(bf16):
     """cuDNN's attention plans every new shape anew; training's token batches keep changing shape."""

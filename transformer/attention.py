@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -18,17 +19,32 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
 
     On CPU under bf16 autocast, torch's flash kernel is slower than the plain math one at
     Multi30k's lengths (bench/bench.py times both: row f against row e), so CPU bf16 training
-    takes the math kernel.
+    takes the math kernel, in bf16 (_math_in_bf16).
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
     builds an execution plan for every new shape: with token batches nearly every batch of the
     first epoch is one, and planning outweighs the update (docs/speed.md). So CUDA training takes
     flash or memory-efficient kernels."""
     if device.type == "cpu" and bf16:
-        return sdpa_kernel(SDPBackend.MATH)
+        return _math_in_bf16()
     if device.type == "cuda":
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _math_in_bf16() -> Iterator[None]:
+    """torch's math attention kernel in bf16. Left alone, it copies bf16 queries, keys and values to
+    float32 and runs its matmuls and softmax there, copies and matmuls far slower than bf16's on a CPU
+    that has bf16 matmuls (bench/attention_bf16.py); in bf16 they run as the model's other matmuls do
+    (softmax still sums in float32 inside). torch names the switch under cuda; it holds on every device."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
 class MultiHeadAttention(nn.Module):

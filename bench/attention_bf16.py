@@ -1,0 +1,84 @@
+"""Training updates with attention's math kernel in bf16 (training's kernels on a CPU,
+transformer.attention.attention_kernels) against the same kernel as torch leaves it, copying bf16
+queries, keys and values to float32, taking turns update by update in one process.
+
+Run from the repository root (about 3 minutes on 2 cores with the defaults and real data):
+
+    python bench/attention_bf16.py [--vocab-dir data/vocab] [--rdrop 10 --share 0.5] [--warmup 30] [--updates 40]
+
+The update is bench.py's (the default recipe's model and loss) in bf16 autocast, over the token
+batches of the corpus in --vocab-dir, else of bench.py's synthetic one, each batch new; each arm
+trains a model of its own from the same initial weights, in a process set up as training's
+(transformer.memory.training_memory). It prints each arm's median milliseconds an update after
+--warmup untimed ones, and its speed against the float32 copies'. Where the CPU has no native
+bf16, training runs in float32 and never takes this path; the script still times it, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+from transformer.attention import attention_kernels  # noqa: E402
+from transformer.distributed import use_bf16  # noqa: E402
+from transformer.memory import training_memory  # noqa: E402
+
+
+@contextlib.contextmanager
+def float32_copies() -> Iterator[None]:
+    """The math kernel with torch's default: bf16 inputs worked on in float32."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
+ARMS = {"float32 copies": float32_copies, "bf16": lambda: attention_kernels(torch.device("cpu"), True)}
+
+
+@click.command()
+@bench.VOCAB_DIR
+@bench.rdrop_options(0.0)
+@click.option("--warmup", type=click.IntRange(min=0), default=30, show_default=True, help="Untimed updates first.")
+@click.option("--updates", type=click.IntRange(min=1), default=40, show_default=True, help="Updates timed.")
+def main(vocab_dir: Path | None, rdrop: float, share: float, warmup: int, updates: int) -> None:
+    """Prints each arm's milliseconds an update; see the module docstring."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = bench.load_data(vocab_dir, Path(tmp))
+        batches = bench.training_batches(data.corpus, warmup + updates)["token batches"]
+    native = use_bf16("auto", torch.device("cpu"))
+    print(
+        f"{data.origin}; {torch.get_num_threads()} threads" + ("" if native else "; no native bf16: training runs fp32")
+    )
+    steps = {  # the same initial weights (bench.ours_model seeds them)
+        arm: bench.ours_step(data, bench.SIZES["small"], True, default_kernel=True, rdrop=rdrop, share=share)
+        for arm in ARMS
+    }
+
+    def run(arm: str):
+        def update(i: int) -> None:
+            with ARMS[arm]():
+                steps[arm](batches[i])
+
+        return update
+
+    ms = bench.alternating_ms({arm: run(arm) for arm in ARMS}, warmup=warmup, reps=updates)
+    what = f"R-Drop α {rdrop}" + (f" on {share:.0%} of the sentences" if share < 1 else "") if rdrop else "no R-Drop"
+    bench.print_speeds(f"bf16 updates of the small model, {what} ({updates} batches, ms):", ms, "float32 copies")
+
+
+if __name__ == "__main__":
+    training_memory()  # as training sets up its process: mimalloc, oneDNN's kernel cache
+    main()

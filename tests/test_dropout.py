@@ -57,3 +57,13 @@ def test_in_eval_mode_or_at_p_0_the_input_passes_through_and_no_draw_is_made():
     after = torch.rand(2)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(2), after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dropout_casts_nothing_forward_or_back(dtype):
+    """A bool mask multiplied in would be copied to x's dtype first, forward and back: a pass over
+    the activations each way, in every dropout of every update."""
+    x = torch.randn(64, 32, dtype=dtype, requires_grad=True)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        dropout(x, 0.1).backward(torch.ones(64, 32, dtype=dtype))
+    assert not [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[0]]

@@ -27,7 +27,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value
     keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - _LEVELS // 2
-    return x * keep * (_LEVELS / (_LEVELS - dropped))
+    # chosen, not multiplied by the mask: a bool tensor times x is first copied to x's dtype, forward and back
+    return torch.where(keep, x * (_LEVELS / (_LEVELS - dropped)), 0.0)
 
 
 class Dropout(nn.Module):

@@ -119,3 +119,21 @@ def test_a_linear_in_bf16_on_a_cpu_runs_on_bucketed_rows_and_gives_the_unpadded_
     for got, expected in zip(grads, fp32_grads):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, atol=0.2, rtol=0.02)
+
+
+def test_a_bucketed_linear_copies_its_rows_once_each_way_and_zeroes_only_the_padding():
+    """In bf16 on a CPU: x into the padded buffer (cast on the way), the output's gradient into one
+    alike, the input's gradient out (cast back), and nothing zeroed but the padding rows."""
+    layer = packing.Linear(16, 24)
+    x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: bucket 112
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+    ops = [(e.name, e.input_shapes[0]) for e in prof.events() if e.input_shapes]
+    assert [shape for name, shape in ops if name == "aten::copy_" and shape[:1] == [111]] == [
+        [111, 16],
+        [111, 24],
+        [111, 16],
+    ]
+    assert not [shape for name, shape in ops if name in ("aten::fill_", "aten::zero_") and shape[:1] in ([111], [112])]

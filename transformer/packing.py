@@ -1,4 +1,5 @@
-"""Packed batches: the token-wise layers skip the padding of a padded batch."""
+"""Packed batches: the token-wise layers skip the padding of a padded batch. And the model's Linear,
+whose rows are padded to a few sizes where a CPU builds a kernel for every shape (row_bucket)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,41 @@ class Linear(nn.Linear):
         size = row_bucket(rows) if builds_kernels(x) else rows
         if size == rows:
             return F.linear(x, self.weight, self.bias)
-        # cast first, as autocast would: the padded copy is then half the size
-        padded = F.pad(x.reshape(rows, x.size(-1)).to(matmul_dtype(x)), (0, 0, 0, size - rows))
-        y = F.linear(padded, self.weight, self.bias)
-        return y[:rows].view(*x.shape[:-1], y.size(-1))
+        y = _PaddedLinear.apply(x.reshape(rows, x.size(-1)), self.weight, self.bias, size, matmul_dtype(x))
+        return y.view(*x.shape[:-1], y.size(-1))
+
+
+class _PaddedLinear(torch.autograd.Function):
+    """F.linear of x (rows, in) in `dtype` (autocast's), on x's rows padded with zeros to `size`, and
+    its backward on the output's gradient padded alike. Each is one copy into the padded buffer, cast
+    on the way; autograd's cast, pad and slice would copy twice each way, and zero whole buffers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, size: int, dtype: torch.dtype) -> torch.Tensor:
+        padded, w = _padded(x, size, dtype), weight.to(dtype)  # the weight cast once, as autocast's cache does
+        with torch.autocast(x.device.type, enabled=False):  # the dtype is chosen above, as autocast would
+            y = F.linear(padded, w, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(padded, w)
+        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
+        return y[: x.size(0)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded, w = ctx.saved_tensors
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        g = _padded(grad, padded.size(0), w.dtype)
+        d_x = (g @ w)[: grad.size(0)].to(x_dtype) if ctx.needs_input_grad[0] else None
+        d_weight = (g.t() @ padded).to(weight_dtype) if ctx.needs_input_grad[1] else None
+        d_bias = g.sum(0).to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return d_x, d_weight, d_bias, None, None
+
+
+def _padded(x: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """x (rows, n) in dtype, followed by rows of zeros up to `size` rows."""
+    out = x.new_empty(size, x.size(1), dtype=dtype)
+    out[: x.size(0)] = x
+    out[x.size(0) :].zero_()
+    return out
 
 
 def builds_kernels(x: torch.Tensor) -> bool:

@@ -212,6 +212,15 @@ def _add_smoothed_nll_gradient(
     """Takes g (m, V), d loss / d log-probs of the loss's other terms, to d loss / d logits of the loss
     plus `share` times _smoothed_nll: adds that term's gradient, minus `share` times the smoothed
     target, then goes back through the log-softmax (g - prob * sum(g), per row); pad rows get 0."""
+    _subtract_smoothed_target(g, target, pad, smoothing, zero_pad, share)
+    g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
+    g.masked_fill_(~keep[:, None], 0.0)
+
+
+def _subtract_smoothed_target(
+    g: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool, share: float
+) -> None:
+    """Subtracts from g (m, V) `share` times the smoothed target of each row."""
     # the smoothed target: `spread` on every column but <blank> with zero_pad, 1 - smoothing more on gold
     spread = smoothing / (g.size(-1) - 2 if zero_pad else g.size(-1))
     g.sub_(spread * share)
@@ -219,8 +228,6 @@ def _add_smoothed_nll_gradient(
         g[:, pad] += spread * share
     gold = (spread if zero_pad else 0.0) - (1 - smoothing)  # with zero_pad the gold column has no spread
     g.scatter_add_(-1, target[:, None], torch.full_like(g[:, :1], gold * share))
-    g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
-    g.masked_fill_(~keep[:, None], 0.0)
 
 
 def _fuses(model: nn.Module, rows: torch.Tensor) -> bool:
@@ -333,13 +340,15 @@ def _ce_rows(
     m, vocab = logits.shape
     keep = target != pad
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    ce, g = logits.new_empty(m, dtype=dtype), logits.new_zeros(m, vocab, dtype=dtype)
+    ce, g = logits.new_empty(m, dtype=dtype), logits.new_empty(m, vocab, dtype=dtype)
     rows = _block_rows(logits)
     for start in range(0, m, rows):
         r = slice(start, start + rows)
         lp = logits[r].to(dtype).log_softmax(-1)
         ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
-        _add_smoothed_nll_gradient(g[r], lp.exp(), target[r], keep[r], pad, smoothing, zero_pad, 1.0)
+        # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out
+        _subtract_smoothed_target(torch.exp(lp, out=g[r]), target[r], pad, smoothing, zero_pad, 1.0)
+        g[r].masked_fill_(~keep[r, None], 0.0)
     return ce, g
 
 

@@ -161,6 +161,13 @@ def count_lines(path: Path | str) -> int:
     return count + (last != b"\n")  # a last line without its newline is a line too
 
 
+def check_aligned(paths: list[Path], counts: list[int], what: str) -> None:
+    """Two sides of a parallel `what` (a corpus, a split) must have as many lines: else one DataError
+    that names both and their counts."""
+    if counts[0] != counts[1]:
+        raise DataError(f"{paths[0]}: has {counts[0]} lines, but {paths[1]} has {counts[1]}: the {what} is misaligned")
+
+
 def _existing(path: Path | str) -> Path:
     """path, which must exist: else one DataError that names it."""
     path = Path(path)

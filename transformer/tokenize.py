@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from transformer.io import DataError, read_lines, write_lines
+from transformer.io import DataError, check_aligned, read_lines, write_lines
 
 JOINER = "\uffed"  # ￭
 
@@ -84,10 +84,7 @@ def tokenize_corpus(
 def _tokenized_pair(paths: list[Path], tokenizers: list[Tokenizer], pool: Any, split: str) -> list[list[str]]:
     """Both sides of a split, tokenized; its raw text is let go on return."""
     raw = [read_lines(p) for p in paths]
-    if len(raw[0]) != len(raw[1]):
-        raise DataError(
-            f"{paths[0]}: has {len(raw[0])} lines, but {paths[1]} has {len(raw[1])}: the corpus is misaligned"
-        )
+    check_aligned(paths, [len(side) for side in raw], "corpus")
     if not raw[0]:
         raise DataError(f"{paths[0]}: empty file (split '{split}')")
     return [_tokenized(tokenizer, pool, lines, path) for tokenizer, lines, path in zip(tokenizers, raw, paths)]

@@ -22,7 +22,16 @@ from typing import Any
 
 import torch
 
-from transformer.io import DataError, atomic_path, count_lines, iter_lines, save_torch, write_json, write_lines
+from transformer.io import (
+    DataError,
+    atomic_path,
+    check_aligned,
+    count_lines,
+    iter_lines,
+    save_torch,
+    write_json,
+    write_lines,
+)
 
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 BOS, EOS, PAD, UNK = range(4)
@@ -422,8 +431,7 @@ def _pair(tok_dir: Path, split: str, langs: tuple[str, str]) -> tuple[list[Path]
     """A split's two tokenized files, and the lines each has (the same, or DataError)."""
     paths = [tok_dir / f"{split}.{lang}" for lang in langs]
     counts = [count_lines(path) for path in paths]
-    if counts[0] != counts[1]:
-        raise DataError(f"{paths[0]}: has {counts[0]} lines, but {paths[1]} has {counts[1]}: the split is misaligned")
+    check_aligned(paths, counts, "split")
     return paths, counts[0]
 
 

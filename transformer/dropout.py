@@ -26,9 +26,10 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return F.dropout(x, p, True)
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value
-    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= dropped - _LEVELS // 2
-    # chosen, not multiplied by the mask: a bool tensor times x is first copied to x's dtype, forward and back
-    return torch.where(keep, x * (_LEVELS / (_LEVELS - dropped)), 0.0)
+    # the mask made in x's dtype: a bool one times x is first copied to x's dtype, forward and back,
+    # and torch.where, which would take a bool one as it is, runs at about half the speed of a product
+    keep = torch.ge(bits.view(torch.int16)[: x.numel()].view(x.shape), dropped - _LEVELS // 2, out=torch.empty_like(x))
+    return x * keep * (_LEVELS / (_LEVELS - dropped))
 
 
 class Dropout(nn.Module):

@@ -413,3 +413,30 @@ def test_a_batch_padded_to_a_multiple_of_8_has_the_exact_batchs_loss_and_gradien
     assert padded == pytest.approx(exact, rel=1e-12)
     for name, grad in expected.items():
         assert torch.allclose(got[name], grad, rtol=1e-9, atol=1e-12 * float(grad.abs().max())), name
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the ops run, without their overloads."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rdrop", [False, True], ids=["token loss", "R-Drop"])
+def test_on_a_cpu_the_loss_zeroes_its_pad_rows_alone(rdrop):
+    """A pad row's gradient is 0. On a CPU the loss's pad rows are a bucket's padding at most, and only
+    they are written, not every value of the (rows, V) gradient, as a masked_fill_ would."""
+    target = torch.tensor([5, PAD, 7, 9, PAD, 4] * (2 if rdrop else 1))
+    logits = torch.randn(len(target), 40, generator=torch.Generator().manual_seed(0))
+    with _OpNames() as ops:
+        if rdrop:
+            *_, g = transformer.loss._rdrop_rows(logits, target, PAD, 0.1, 5.0, zero_pad=False)
+        else:
+            _, g = transformer.loss._ce_rows(logits, target, PAD, 0.1, zero_pad=False)
+    assert torch.all(g[target == PAD] == 0) and torch.all(g[target != PAD].abs().amax(-1) > 0)
+    assert "masked_fill_" not in ops.names and "masked_fill" not in ops.names

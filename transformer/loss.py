@@ -214,7 +214,17 @@ def _add_smoothed_nll_gradient(
     target, then goes back through the log-softmax (g - prob * sum(g), per row); pad rows get 0."""
     _subtract_smoothed_target(g, target, pad, smoothing, zero_pad, share)
     g.addcmul_(prob, g.sum(-1, keepdim=True), value=-1)
-    g.masked_fill_(~keep[:, None], 0.0)
+    _zero_pad_rows(g, keep)
+
+
+def _zero_pad_rows(g: torch.Tensor, keep: torch.Tensor) -> None:
+    """Zeroes the rows of g (m, V) whose `keep` is False. Where the host knows which rows those are (a
+    CPU, whose loss takes only the non-pad positions, _kept, and pads a bucket at most) it writes only
+    them; elsewhere a pass over every value, which the device runs without the host waiting on it."""
+    if packing.counts_on_host(keep):
+        g[~keep] = 0.0
+    else:
+        g.masked_fill_(~keep[:, None], 0.0)
 
 
 def _subtract_smoothed_target(
@@ -348,7 +358,7 @@ def _ce_rows(
         ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
         # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out
         _subtract_smoothed_target(torch.exp(lp, out=g[r]), target[r], pad, smoothing, zero_pad, 1.0)
-        g[r].masked_fill_(~keep[r, None], 0.0)
+        _zero_pad_rows(g[r], keep[r])
     return ce, g
 
 

@@ -71,12 +71,9 @@ class ParallelCorpus:
         each side padded to its longest line, rounded up to a multiple of `multiple`."""
         rows = torch.tensor(index)
         _, S, T = self.shape(index, multiple)
-        return Batch(
-            _lines(self.src, self.src_off, rows, S, bos=False),
-            _lines(self.tgt, self.tgt_off, rows, T, bos=True),
-            _lines(self.tgt, self.tgt_off, rows, T, bos=False),
-            int(self.tgt_lens[rows].sum()),
-        )
+        (src,) = _lines(self.src, self.src_off, rows, S, bos=(False,))
+        tgt_in, tgt_out = _lines(self.tgt, self.tgt_off, rows, T, bos=(True, False))
+        return Batch(src, tgt_in, tgt_out, int(self.tgt_lens[rows].sum()))
 
     def shape(self, index: list[int], multiple: int = 1) -> tuple[int, int, int]:
         """(B, S, T) of batch(index, multiple): src is (B, S), tgt_in and tgt_out are (B, T)."""
@@ -99,19 +96,26 @@ def batch_shapes(corpus: ParallelCorpus, groups: list[list[list[int]]], multiple
     return len({corpus.shape(index, multiple) for group in groups for index in group})
 
 
-def _lines(ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, width: int, bos: bool) -> torch.Tensor:
-    """Lines `rows` of a corpus, <s> before each (bos) or </s> after it, right-padded with PAD to `width`."""
+def _lines(
+    ids: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, width: int, bos: tuple[bool, ...]
+) -> list[torch.Tensor]:
+    """Lines `rows` of a corpus right-padded with PAD to `width`, gathered once and laid out once for
+    each of `bos`: with <s> before each line (True) or </s> after it (False)."""
     starts = offsets[rows].long()
     lens = offsets[rows + 1].long() - starts
     line = torch.repeat_interleave(torch.arange(len(rows)), lens)
     within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    out = torch.full((len(rows), width), PAD, dtype=torch.long)
-    out[line, within + int(bos)] = ids[torch.repeat_interleave(starts, lens) + within].long()
-    if bos:
-        out[:, 0] = BOS
-    else:
-        out[torch.arange(len(rows)), lens] = EOS
-    return out
+    values = ids[torch.repeat_interleave(starts, lens) + within].long()
+    outs = []
+    for before in bos:
+        out = torch.full((len(rows), width), PAD, dtype=torch.long)
+        out[line, within + int(before)] = values
+        if before:
+            out[:, 0] = BOS
+        else:
+            out[torch.arange(len(rows)), lens] = EOS
+        outs.append(out)
+    return outs
 
 
 class Prefetch:

@@ -27,7 +27,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value
     # the mask made in x's dtype: a bool one times x is first copied to x's dtype, forward and back,
-    # and torch.where, which would take a bool one as it is, runs at about half the speed of a product
+    # and torch.where, which would take a bool one as it is, runs slower than a product does
     keep = torch.ge(bits.view(torch.int16)[: x.numel()].view(x.shape), dropped - _LEVELS // 2, out=torch.empty_like(x))
     return x * keep * (_LEVELS / (_LEVELS - dropped))
 

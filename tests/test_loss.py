@@ -315,16 +315,24 @@ def test_every_batch_with_a_linear_generator_takes_the_fused_loss():
         assert not transformer.loss._fuses(model, torch.empty(25000, 512))
 
 
-class _Matmuls(TorchDispatchMode):
-    """Counts matrix products."""
+class _OpNames(TorchDispatchMode):
+    """The names of the ops run, without their overloads."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "matmul", "linear")
+        self.names.append(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
+
+
+class _Matmuls(_OpNames):
+    """Counts matrix products."""
+
+    @property
+    def count(self) -> int:
+        return sum(name in ("mm", "addmm", "bmm", "matmul", "linear") for name in self.names)
 
 
 def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
@@ -413,18 +421,6 @@ def test_a_batch_padded_to_a_multiple_of_8_has_the_exact_batchs_loss_and_gradien
     assert padded == pytest.approx(exact, rel=1e-12)
     for name, grad in expected.items():
         assert torch.allclose(got[name], grad, rtol=1e-9, atol=1e-12 * float(grad.abs().max())), name
-
-
-class _OpNames(TorchDispatchMode):
-    """The names of the ops run, without their overloads."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("rdrop", [False, True], ids=["token loss", "R-Drop"])

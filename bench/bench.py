@@ -489,7 +489,16 @@ TRAIN_ROWS = (
     TrainRow("o", "e padded to multiples of 8", "token batches to 8", bf16=True, vs="e"),
     TrainRow("p", "o compiled", "token batches to 8", bf16=True, vs="o", compile=True),
 )
-COMPILE_WARMUP = 3  # updates: the first trace, and the one more duck sizing may take (S == T at first)
+COMPILE_WARMUP = 3  # untimed updates of a compiled row at least
+
+
+def compile_warmup(batches: list[Batch]) -> int:
+    """Untimed updates a compiled row runs: COMPILE_WARMUP at least, and up to and including the
+    first batch whose S == T differs from the first batch's. Dynamo's duck sizing gives S and T
+    one symbol where they were equal at the first trace, and traces again where they part."""
+    same = [b.src.size(1) == b.tgt_in.size(1) for b in batches]
+    parted = next((i + 1 for i, s in enumerate(same) if s != same[0]), 0)
+    return max(COMPILE_WARMUP, parted)
 
 
 def training_rows(
@@ -519,7 +528,8 @@ def training_rows(
                 compile=row.compile,
             )
         )
-        warm = replace(plan, warmup=tuple(max(w, COMPILE_WARMUP) for w in plan.warmup)) if row.compile else plan
+        warmup = compile_warmup(batches[row.batches])
+        warm = replace(plan, warmup=tuple(max(w, warmup) for w in plan.warmup)) if row.compile else plan
         rows.append(
             train_row(
                 row.key,

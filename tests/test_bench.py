@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,3 +108,28 @@ def test_rows_asked_for_are_the_rows_run_and_glibcs_settings_only_on_glibc(data,
     assert [r["key"] for r in rows] == ["c", "t", "u"]  # this test process runs on glibc's malloc
     monkeypatch.setattr(bench, "allocator", lambda: "mimalloc")
     assert [r["key"] for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0}, keys="ctu")] == ["c"]
+
+
+def test_a_compiled_rows_warm_up_takes_every_trace_its_timed_updates_would_need(data, monkeypatch):
+    traces = []
+
+    def counting(graph, example_inputs):
+        traces.append(graph)
+        return graph.forward  # run as traced, without a C++ build
+
+    monkeypatch.setattr(bench, "COMPILE_BACKEND", counting)
+    torch._dynamo.reset()  # the other tests' traces of the same code would count toward dynamo's limit
+    batches = bench.training_batches(data.corpus, bench.MAX_BATCHES)["token batches to 8"]
+    same = [b for b in batches if b.src.size(1) == b.tgt_in.size(1)]
+    parted = [b for b in batches if b.src.size(1) != b.tgt_in.size(1)]
+    # S == T past the least warm-up, so duck sizing's second trace comes after it
+    batches = same[: bench.COMPILE_WARMUP + 1] + parted[:2] + same[-2:]
+    warmup = bench.compile_warmup(batches)
+    assert warmup == bench.COMPILE_WARMUP + 2
+    step = bench.ours_step(data, TINY, bf16=False, compile=True)
+    for batch in batches[:warmup]:
+        step(batch)
+    assert len(traces) == 2
+    for batch in batches[warmup:]:
+        step(batch)
+    assert len(traces) == 2  # no trace among the timed updates

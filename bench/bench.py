@@ -493,11 +493,11 @@ COMPILE_WARMUP = 3  # untimed updates of a compiled row at least
 
 
 def compile_warmup(batches: list[Batch]) -> int:
-    """Untimed updates a compiled row runs: COMPILE_WARMUP at least, and up to and including the
-    first batch whose S == T differs from the first batch's. Dynamo's duck sizing gives S and T
+    """Untimed updates a compiled row runs: COMPILE_WARMUP at least and, where the first batch has
+    S == T, up to and including the first batch with S != T. Dynamo's duck sizing gives S and T
     one symbol where they were equal at the first trace, and traces again where they part."""
     same = [b.src.size(1) == b.tgt_in.size(1) for b in batches]
-    parted = next((i + 1 for i, s in enumerate(same) if s != same[0]), 0)
+    parted = same.index(False) + 1 if same[0] and not all(same) else 0
     return max(COMPILE_WARMUP, parted)
 
 

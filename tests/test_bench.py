@@ -126,6 +126,7 @@ def test_a_compiled_rows_warm_up_takes_every_trace_its_timed_updates_would_need(
     batches = same[: bench.COMPILE_WARMUP + 1] + parted[:2] + same[-2:]
     warmup = bench.compile_warmup(batches)
     assert warmup == bench.COMPILE_WARMUP + 2
+    assert bench.compile_warmup(batches[-3:] + batches[:-3]) == bench.COMPILE_WARMUP  # S != T first: one trace
     step = bench.ours_step(data, TINY, bf16=False, compile=True)
     for batch in batches[:warmup]:
         step(batch)

@@ -73,7 +73,7 @@ class ParallelCorpus:
         _, S, T = self.shape(index, multiple)
         (src,) = _lines(self.src, self.src_off, rows, S, bos=(False,))
         tgt_in, tgt_out = _lines(self.tgt, self.tgt_off, rows, T, bos=(True, False))
-        return Batch(src, tgt_in, tgt_out, int(self.tgt_lens[rows].sum()))
+        return Batch(src, tgt_in, tgt_out, self.tokens(index))
 
     def shape(self, index: list[int], multiple: int = 1) -> tuple[int, int, int]:
         """(B, S, T) of batch(index, multiple): src is (B, S), tgt_in and tgt_out are (B, T)."""

@@ -28,8 +28,16 @@ def data(tmp_path_factory):
     return bench.Data(bench.ParallelCorpus(path), 50, 50, True, "synthetic")
 
 
-def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(data):
-    rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})
+@pytest.fixture(scope="module")
+def fp32_rows(data):
+    """The training rows a CPU without bf16 hardware runs, run once for the tests that read them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "COMPILE_BACKEND", "aot_eager")  # as _traced_without_a_cpp_build, for this module
+        return bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})
+
+
+def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp32_rows):
+    rows = fp32_rows
     assert [r["key"] for r in rows] == ["a", "b", "c", "d", "r", "t", "v", "x", "m", "n"]
     assert {r["key"]: r["vs"] for r in rows} == {
         "a": "b",
@@ -67,15 +75,15 @@ def test_with_a_bf16_peak_rows_e_f_s_u_w_and_y_run_in_bf16(data):
     ]
 
 
-def test_the_rdrop_row_counts_corpus_tokens_once_and_credits_both_passes(data):
-    rows = {r["key"]: r for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})}
+def test_the_rdrop_row_counts_corpus_tokens_once_and_credits_both_passes(fp32_rows):
+    rows = {r["key"]: r for r in fp32_rows}
     c, r = rows["c"], rows["r"]
     assert (c["updates"], c["target_tokens"]) == (r["updates"], r["target_tokens"])  # the same timed batches
     assert r["flops_per_token"] == pytest.approx(2 * c["flops_per_token"], abs=1)
 
 
-def test_the_shared_encoder_row_credits_one_encoder_pass_and_two_decoder_passes(data):
-    rows = {r["key"]: r for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})}
+def test_the_shared_encoder_row_credits_one_encoder_pass_and_two_decoder_passes(data, fp32_rows):
+    rows = {r["key"]: r for r in fp32_rows}
     c, r, v = rows["c"], rows["r"], rows["v"]
     assert (v["updates"], v["target_tokens"]) == (r["updates"], r["target_tokens"])
     encoder = sum(
@@ -86,8 +94,8 @@ def test_the_shared_encoder_row_credits_one_encoder_pass_and_two_decoder_passes(
     assert v["flops_per_token"] == pytest.approx(r["flops_per_token"] - encoder / v["target_tokens"], abs=1)
 
 
-def test_the_half_rdrop_row_credits_one_and_a_half_passes(data):
-    rows = {r["key"]: r for r in bench.training_rows(TINY, data, PLAN, {"fp32": 1.0})}
+def test_the_half_rdrop_row_credits_one_and_a_half_passes(fp32_rows):
+    rows = {r["key"]: r for r in fp32_rows}
     c, r, x = rows["c"], rows["r"], rows["x"]
     assert (x["updates"], x["target_tokens"]) == (r["updates"], r["target_tokens"])
     assert x["flops_per_token"] == pytest.approx(1.5 * c["flops_per_token"], abs=1)

@@ -69,14 +69,16 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
 
     raw = tmp_path / "raw"
     raw.mkdir()
-    for split, n in (("train", 800), ("val", 30)):
+    for split, n in (("train", 4000), ("val", 30)):
         src = [p[0] for p in toy_pairs(n, seed=len(split))]
         for lang in ("de", "en"):
             (raw / f"{split}.{lang}").write_text("\n".join(src) + "\n")
     tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
     build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "word", 0, 1, "train", "val", seed=1)
-    # 26 epochs (754 updates): at 20 (580) one or two of the 30 copies still confused a repeated word
-    # on an AVX-512 host in fp32, and the kernels of each host class round the run otherwise.
+    # 4,000 sentences, 6 epochs (852 updates): from 800 sentences, at 26 to 40 epochs, a fifth to a third
+    # of the seeds left one or two of the 30 copies confused (a repeated word confused, a last word
+    # dropped), whatever the epochs: the model had learnt its 800 sentences more than copying. A host
+    # class's kernels, or any change to the loss's rounding, draws another such seed.
     params = params_from_dict(
         tiny_params(
             **{
@@ -85,7 +87,7 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
                 "model.N": 2,
                 "model.d_model": 64,
                 "model.d_ff": 128,
-                "train.epochs": 26,
+                "train.epochs": 6,
                 "train.max_tokens": 200,
                 "train.factor": 1.0,
                 "train.label_smoothing": 0.0,
@@ -94,8 +96,8 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
         )
     )
     summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
-    assert summary["steps"] < 800  # a few hundred updates: seconds on an idle CPU
-    assert summary["val_loss"] < 0.1  # nats per token
+    assert summary["steps"] < 900  # a few hundred updates: seconds on an idle CPU
+    assert summary["val_loss"] < 0.01  # nats per token
     checkpoints.save(tmp_path / "model.pt", checkpoints.average_checkpoints(tmp_path / "ckpt", 3))
     translator = Translator(tmp_path / "model.pt", device="cpu")
     sources = (tmp_path / "tok" / "val.de").read_text().splitlines()

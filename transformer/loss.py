@@ -156,8 +156,10 @@ def _rdrop_rows(
         for start in range(0, n, pairs):
             stop = min(start + pairs, n)
             rows = (slice(start, stop), slice(n + start, n + stop))  # the pairs in the first pass, then the second
-            lp1, lp2 = (logits[r].to(dtype).log_softmax(-1) for r in rows)
-            p1, p2 = lp1.exp(), lp2.exp()
+            x1, x2 = (logits[r].to(dtype) for r in rows)
+            # The probabilities from the logits, not as exp(log-probs): softmax's kernel takes a faster,
+            # looser exponential than torch.exp's (a few float32 ulps), a pass of its own either way.
+            lp1, lp2, p1, p2 = x1.log_softmax(-1), x2.log_softmax(-1), x1.softmax(-1), x2.softmax(-1)
             dl, dp = lp1 - lp2, p1 - p2
             kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
             for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
@@ -192,10 +194,7 @@ def _rdrop_gradient(
     zero_pad: bool,
 ) -> None:
     """Writes into g (m, V) d loss / d logits for m rows of one pass (sign 1: the first, -1: the second)."""
-    torch.addcmul(dp, prob, dl, out=g)
-    if sign < 0:
-        g.neg_()
-    g.mul_(alpha / 4)
+    torch.addcmul(dp, prob, dl, out=g).mul_(sign * alpha / 4)
     _add_smoothed_nll_gradient(g, prob, target, keep, pad, smoothing, zero_pad, 0.5)
 
 
@@ -221,8 +220,8 @@ def _zero_pad_rows(g: torch.Tensor, keep: torch.Tensor) -> None:
     """Zeroes the rows of g (m, V) whose `keep` is False. Where the host knows which rows those are (a
     CPU, whose loss takes only the non-pad positions, _kept, and pads a bucket at most) it writes only
     them; elsewhere a pass over every value, which the device runs without the host waiting on it."""
-    if packing.counts_on_host(keep):
-        g[~keep] = 0.0
+    if packing.counts_on_host(keep):  # (not g[~keep] = 0: torch runs that as the masked_fill_ below)
+        g.index_fill_(0, (~keep).nonzero().squeeze(1), 0.0)
     else:
         g.masked_fill_(~keep[:, None], 0.0)
 
@@ -354,10 +353,11 @@ def _ce_rows(
     rows = _block_rows(logits)
     for start in range(0, m, rows):
         r = slice(start, start + rows)
-        lp = logits[r].to(dtype).log_softmax(-1)
-        ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
-        # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out
-        _subtract_smoothed_target(torch.exp(lp, out=g[r]), target[r], pad, smoothing, zero_pad, 1.0)
+        x = logits[r].to(dtype)
+        ce[r] = _smoothed_nll(x.log_softmax(-1), target[r], pad, smoothing, zero_pad)
+        # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out.
+        # (The softmax from the logits, not exp(log-probs), as in _rdrop_rows.)
+        _subtract_smoothed_target(torch.softmax(x, -1, out=g[r]), target[r], pad, smoothing, zero_pad, 1.0)
         _zero_pad_rows(g[r], keep[r])
     return ce, g
 

@@ -15,16 +15,20 @@ profiler records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
 `bernoulli_`, or the `random_` of ours; our masks' comparison counts with the rest), dtype
-casts and copies, and the rest. Last, the matmuls' speed in their own time against bench.py's
-matmul peak of the update's dtype: the MFU the update would reach if its other ops took no time,
-the ceiling of fusing them away at this model's shapes; and the update's own MFU, its matmuls'
-FLOPs over all its ops' time.
+casts and copies, and the rest; then the casts and copies by the op that made them (the
+first op above each that is not itself a step of a copy: a cast, clone or reshape), which
+says where a fusion would take them out. Last, the matmuls' speed in their own time against
+bench.py's matmul peak of the update's dtype: the MFU the update would reach if its other ops
+took no time, the ceiling of fusing them away at this model's shapes; and the update's own MFU,
+its matmuls' FLOPs over all its ops' time.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -49,16 +53,52 @@ KINDS = {  # op name -> kind; ops not named here are "the rest"
 }
 
 
-def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> tuple[dict[str, float], float]:
-    """Self CPU seconds of each op over the updates of batches[warmup:], recorded after the
-    first `warmup` updates, and the FLOPs of their matmuls."""
+COPY_PATHS = {  # the ops a copy goes through below the op that asked for it -> what that step is
+    "aten::to": "cast",
+    "aten::_to_copy": "cast",
+    "aten::clone": "clone",
+    "aten::contiguous": "clone",
+    "aten::reshape": "clone",
+    "aten::copy_": "copy",
+}
+
+
+@dataclass
+class Profile:
+    times: dict[str, float]  # op -> self CPU seconds
+    flops: float  # of the matmuls
+    copies: dict[str, float]  # "op: how" -> self CPU seconds of the copies that op made
+
+
+def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> Profile:
+    """The ops of the updates of batches[warmup:], recorded after the first `warmup` updates."""
     for batch in batches[:warmup]:
         step(batch)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for batch in batches[warmup:]:
             step(batch)
     ops = prof.key_averages()
-    return {e.key: e.self_cpu_time_total / 1e6 for e in ops}, sum(e.flops for e in ops if KINDS.get(e.key) == "matmuls")
+    copies = Counter()
+    for event in prof.events():
+        if event.name == "aten::copy_":
+            copies[copy_origin(event)] += event.self_cpu_time_total / 1e6
+    return Profile(
+        {e.key: e.self_cpu_time_total / 1e6 for e in ops},
+        sum(e.flops for e in ops if KINDS.get(e.key) == "matmuls"),
+        dict(copies),
+    )
+
+
+def copy_origin(event) -> str:
+    """Where a copy_ event comes from, as "op: how": the first op above it that is not a step of a
+    copy (COPY_PATHS), and the step just below that op (a cast, a clone, or the copy itself)."""
+    op = event
+    while op.name in COPY_PATHS:
+        how = COPY_PATHS[op.name]
+        if op.cpu_parent is None:
+            return f"(no op above): {how}"
+        op = op.cpu_parent
+    return f"{op.name.removeprefix('autograd::engine::evaluate_function: ')}: {how}"
 
 
 def by_kind(times: dict[str, float]) -> dict[str, float]:
@@ -98,11 +138,11 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     step = bench.ours_step(data, bench.SIZES["small"], bf16, rdrop=rdrop, share=share)
     transformer.dropout.dropout = dropout_masks.WAYS[masks]
     try:
-        times, flops = op_times(step, batches, warmup)
+        found = op_times(step, batches, warmup)
     finally:
         transformer.dropout.dropout = dropout_masks.WAYS["ours"]
     peak = bench.matmul_peak(torch.bfloat16 if bf16 else torch.float32, seconds=2.0)
-    total = sum(times.values())
+    times, total = found.times, sum(found.times.values())
     print(
         f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}"
         f"{f' on {share:.0%} of the sentences' if rdrop and share < 1 else ''}; "
@@ -112,11 +152,14 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     for op, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"  {op:<40} {seconds / total:6.1%}")
     print("by kind:", ", ".join(f"{kind} {share:.1%}" for kind, share in by_kind(times).items()))
-    matmuls = flops / 1e9 / sum(seconds for op, seconds in times.items() if KINDS.get(op) == "matmuls")
+    print("casts and copies by the op that made them:")
+    for origin, seconds in sorted(found.copies.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"  {origin:<60} {seconds / total:6.1%}")
+    matmuls = found.flops / 1e9 / sum(seconds for op, seconds in times.items() if KINDS.get(op) == "matmuls")
     print(
         f"matmuls: {matmuls:,.0f} GFLOP/s in their own time, {matmuls / peak:.1%} of the matmul peak "
         f"({peak:,.0f} GFLOP/s): the update's MFU if nothing else took time; "
-        f"the update: {flops / 1e9 / total / peak:.1%} MFU"
+        f"the update: {found.flops / 1e9 / total / peak:.1%} MFU"
     )
 
 

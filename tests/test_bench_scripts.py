@@ -57,6 +57,10 @@ def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_w
     ceiling, update = float(mfu[1]), float(mfu[2])
     assert 0 < update < ceiling  # the matmuls' own time is a part of the whole
     assert update == pytest.approx(ceiling * shares["matmuls"] / 100, rel=0.05, abs=0.1)
+    lines = out.split("casts and copies by the op that made them:\n")[1].split("\nmatmuls:")[0].splitlines()
+    origins = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1].rstrip("%")) for line in lines}
+    assert origins and not any(o.split(":")[0] in update_profile.COPY_PATHS for o in origins)  # walked up to the op
+    assert sum(origins.values()) == pytest.approx(shares["casts and copies"], abs=0.05 * len(origins) + 0.1)
 
 
 def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model():

@@ -364,7 +364,7 @@ def print_speeds(title: str, ms: dict[str, float], reference: str) -> None:
     """alternating_ms's medians, each with its speed against the `reference` run's."""
     print(title)
     for name, m in ms.items():
-        print(f"  {name:>9} {m:8.1f}   {ms[reference] / m:.2f}× {reference}'s speed")
+        print(f"  {name:>14} {m:8.1f}   {ms[reference] / m:.2f}× {reference}'s speed")
 
 
 def busy_cpu_seconds() -> float:

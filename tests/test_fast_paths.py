@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from conftest import tiny_params, train_outputs
 
 import transformer.loss
 from transformer import train as train_module
-from transformer.attention import attention_kernels
+from transformer.attention import MultiHeadAttention, attention_kernels
 from transformer.config import params_from_dict
 from transformer.loss import token_loss
 from transformer.model import make_model
@@ -83,7 +85,7 @@ def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
         assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"
 
 
-def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, tmp_path):
+def test_cpu_bf16_training_attends_written_out(monkeypatch, vocab_dir, tmp_path):
     seen = []
     original = train_module.attention_kernels
     monkeypatch.setattr(
@@ -94,24 +96,54 @@ def test_cpu_bf16_training_attends_with_the_math_kernel(monkeypatch, vocab_dir, 
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
     train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert seen and set(seen) == {("cpu", True)}
-    with attention_kernels(torch.device("cpu"), True):
-        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
-    with attention_kernels(torch.device("cpu"), False):
-        assert torch.backends.cuda.flash_sdp_enabled()  # fp32: torch's own choice (flash)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    model = _model(N=2).train()
+    for bf16, expected in ((True, 0), (False, 3 * 2)):  # fp32: torch's own choice (flash), per attention
+        calls.clear()
+        with attention_kernels(torch.device("cpu"), bf16):
+            model(_src(), torch.randint(4, 20, (3, 5)))
+        assert len(calls) == expected
+    model(_src(), torch.randint(4, 20, (3, 5)))
+    assert len(calls) == 2 * 3 * 2  # outside training's kernels, as ever
 
 
-def test_cpu_bf16_attention_runs_in_bf16():
-    """torch's math kernel copies bf16 queries, keys and values to float32 unless allowed not to;
-    training's kernels allow it for their extent, and the result stays close to float32's."""
+def _attention_inputs(causal: bool, dtype=torch.float32):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    mask[0, ..., 6:] = False
-    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    with attention_kernels(torch.device("cpu"), True), torch.profiler.profile(record_shapes=True) as prof:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    q, k, v = (torch.randn(3, 2, 7, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = None if causal else (torch.arange(7) < torch.tensor([7, 4, 1])[:, None])[:, None, None, :]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["padding mask", "causal"])
+def test_written_out_attention_gives_what_torchs_kernel_gives(causal):
+    attention = MultiHeadAttention(16, 2, self_attention=True).train()
+    q, k, v, mask = _attention_inputs(causal)
+    out = {}
+    for written_out in (False, True):
+        with attention_kernels(torch.device("cpu"), True) if written_out else contextlib.nullcontext():
+            y = attention._attend(q, k, v, mask, causal)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), (q, k, v))
+        out[written_out] = y, *grads
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
+    """Written out, attention makes no float32 copies of its bf16 inputs and none of torch's math kernel's
+    extra passes: its mask made additive, its softmax made safe for rows that attend to nothing."""
+    attention = MultiHeadAttention(16, 2, self_attention=True).train()
+    q, k, v, mask = _attention_inputs(False, torch.bfloat16)
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        attention_kernels(torch.device("cpu"), True),
+        torch.profiler.profile(record_shapes=True) as prof,
+    ):
+        y = attention._attend(q, k, v, mask, False)
         y.sum().backward()
-    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::scaled_dot_product_attention", "aten::_safe_softmax", "aten::where", "aten::isneginf"}
     copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[0]]
     assert not copies  # of a tensor, forward or backward (scalars are cast as ever)
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)

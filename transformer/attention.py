@@ -11,44 +11,49 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer.dropout import dropout
 from transformer.packing import Linear, Packing
 
 
 def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
-    """The scaled_dot_product_attention backends to train with.
+    """How training computes attention.
 
-    On CPU under bf16 autocast, torch's flash kernel is slower than the plain math one at
-    Multi30k's lengths (bench/bench.py times both: row f against row e), so CPU bf16 training
-    takes the math kernel, in bf16 (_math_in_bf16).
+    On a CPU under bf16 autocast, from its formula (_written_out). torch's flash kernel is slower
+    there at Multi30k's lengths (bench/bench.py times it: row f against row e), and its math kernel,
+    besides copying bf16 queries, keys and values to float32 unless told not to, scales queries and
+    keys apiece, turns a boolean mask into an additive one on every call and makes its softmax safe
+    for rows that attend to nothing (no batch has one: every sentence ends with </s>), each a pass
+    of its own; written out, the scores are scaled and masked in place (bench/attention_bf16.py).
+    In float32 torch's choice (flash), as fast as the written-out one there.
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
     builds an execution plan for every new shape: with token batches nearly every batch of the
     first epoch is one, and planning outweighs the update (docs/speed.md). So CUDA training takes
     flash or memory-efficient kernels."""
     if device.type == "cpu" and bf16:
-        return _math_in_bf16()
+        return _written_out()
     if device.type == "cuda":
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     return contextlib.nullcontext()
 
 
+_WRITTEN_OUT = False  # set by _written_out, as torch's sdpa_kernel sets its backends: read where attention runs
+
+
 @contextlib.contextmanager
-def _math_in_bf16() -> Iterator[None]:
-    """torch's math attention kernel in bf16. Left alone, it copies bf16 queries, keys and values to
-    float32 and runs its matmuls and softmax there, copies and matmuls far slower than bf16's on a CPU
-    that has bf16 matmuls (bench/attention_bf16.py); in bf16 they run as the model's other matmuls do
-    (softmax still sums in float32 inside). torch names the switch under cuda; it holds on every device."""
-    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+def _written_out() -> Iterator[None]:
+    """Attention from its formula (MultiHeadAttention._attend) instead of scaled_dot_product_attention."""
+    global _WRITTEN_OUT
+    before, _WRITTEN_OUT = _WRITTEN_OUT, True
     try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
+        yield
     finally:
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+        _WRITTEN_OUT = before
 
 
 class MultiHeadAttention(nn.Module):
-    """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels).
+    """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels),
+    or from its formula where attention_kernels says so (CPU training) or the weights are kept.
 
     Self-attention projects Q, K, V in one matmul and, when decoding incrementally, appends
     each step's K, V to `cache`; source attention then reads the memory's K, V from its `cache`
@@ -68,7 +73,7 @@ class MultiHeadAttention(nn.Module):
             self.q = Linear(d_model, d_model)
             self.kv = Linear(d_model, 2 * d_model)
         self.out = Linear(d_model, d_model)
-        self.keep_weights = False  # set to record attention maps (figures); slower path
+        self.keep_weights = False  # set to record attention maps (figures) in .weights
         self.weights: torch.Tensor | None = None
 
     def forward(
@@ -109,13 +114,16 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        if not self.keep_weights:
+        if not (self.keep_weights or _WRITTEN_OUT):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)  # (B, h, T, S)
+        scores = q @ k.transpose(-2, -1)  # (B, h, T, S), a tensor of its own: scaled and masked in place
         if causal:
             T, S = scores.shape[-2:]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        scores.mul_(1 / math.sqrt(self.d_k))
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        self.weights = scores.softmax(-1)
-        return F.dropout(self.weights, p) @ v
+            scores.masked_fill_(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        if self.keep_weights:
+            self.weights = weights
+        return dropout(weights, p) @ v

@@ -156,10 +156,7 @@ def _rdrop_rows(
         for start in range(0, n, pairs):
             stop = min(start + pairs, n)
             rows = (slice(start, stop), slice(n + start, n + stop))  # the pairs in the first pass, then the second
-            x1, x2 = (logits[r].to(dtype) for r in rows)
-            # The probabilities from the logits, not as exp(log-probs): softmax's kernel takes a faster,
-            # looser exponential than torch.exp's (a few float32 ulps), a pass of its own either way.
-            lp1, lp2, p1, p2 = x1.log_softmax(-1), x2.log_softmax(-1), x1.softmax(-1), x2.softmax(-1)
+            (lp1, p1), (lp2, p2) = (_distributions(logits[r], dtype) for r in rows)
             dl, dp = lp1 - lp2, p1 - p2
             kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
             for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
@@ -353,13 +350,22 @@ def _ce_rows(
     rows = _block_rows(logits)
     for start in range(0, m, rows):
         r = slice(start, start + rows)
-        x = logits[r].to(dtype)
-        ce[r] = _smoothed_nll(x.log_softmax(-1), target[r], pad, smoothing, zero_pad)
-        # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out.
-        # (The softmax from the logits, not exp(log-probs), as in _rdrop_rows.)
-        _subtract_smoothed_target(torch.softmax(x, -1, out=g[r]), target[r], pad, smoothing, zero_pad, 1.0)
+        log_probs, _ = _distributions(logits[r], dtype, out=g[r])
+        ce[r] = _smoothed_nll(log_probs, target[r], pad, smoothing, zero_pad)
+        # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out
+        _subtract_smoothed_target(g[r], target[r], pad, smoothing, zero_pad, 1.0)
         _zero_pad_rows(g[r], keep[r])
     return ce, g
+
+
+def _distributions(
+    logits: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probabilities and the probabilities (into `out`) of logits (m, V), in dtype. The
+    probabilities from the logits, not exp(log-probs): softmax's kernel takes a faster exponential
+    than torch.exp's, within a few float32 ulps."""
+    x = logits.to(dtype)
+    return x.log_softmax(-1), torch.softmax(x, -1, out=out)
 
 
 def _kept(hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,8 +105,9 @@ def test_cpu_bf16_training_attends_written_out(monkeypatch, vocab_dir, tmp_path)
         with attention_kernels(torch.device("cpu"), bf16):
             model(_src(), torch.randint(4, 20, (3, 5)))
         assert len(calls) == expected
+    calls.clear()
     model(_src(), torch.randint(4, 20, (3, 5)))
-    assert len(calls) == 2 * 3 * 2  # outside training's kernels, as ever
+    assert len(calls) == 3 * 2  # outside training's kernels, as ever
 
 
 def _attention_inputs(causal: bool, dtype=torch.float32):
@@ -117,11 +118,13 @@ def _attention_inputs(causal: bool, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["padding mask", "causal"])
-def test_written_out_attention_gives_what_torchs_kernel_gives(causal):
+def test_written_out_attention_gives_what_torchs_kernel_gives(monkeypatch, causal):
     attention = MultiHeadAttention(16, 2, self_attention=True).train()
     q, k, v, mask = _attention_inputs(causal)
     out = {}
     for written_out in (False, True):
+        if written_out:  # not through torch's kernel
+            monkeypatch.setattr(F, "scaled_dot_product_attention", None)
         with attention_kernels(torch.device("cpu"), True) if written_out else contextlib.nullcontext():
             y = attention._attend(q, k, v, mask, causal)
         grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), (q, k, v))
@@ -132,19 +135,21 @@ def test_written_out_attention_gives_what_torchs_kernel_gives(causal):
 
 def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     """Written out, attention makes no float32 copies of its bf16 inputs and none of torch's math kernel's
-    extra passes: its mask made additive, its softmax made safe for rows that attend to nothing."""
+    extra passes (its mask made additive, its softmax made safe for rows that attend to nothing); its
+    forward scales and masks the scores in place, with no tensor of their own."""
     attention = MultiHeadAttention(16, 2, self_attention=True).train()
     q, k, v, mask = _attention_inputs(False, torch.bfloat16)
-    with (
-        torch.autocast("cpu", dtype=torch.bfloat16),
-        attention_kernels(torch.device("cpu"), True),
-        torch.profiler.profile(record_shapes=True) as prof,
-    ):
-        y = attention._attend(q, k, v, mask, False)
-        y.sum().backward()
-    ops = {e.name for e in prof.events()}
+    with torch.autocast("cpu", dtype=torch.bfloat16), attention_kernels(torch.device("cpu"), True):
+        with torch.profiler.profile(record_shapes=True) as forward:
+            y = attention._attend(q, k, v, mask, False)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            y.sum().backward()
+    ops = {e.name for e in forward.events()}
+    assert {"aten::mul_", "aten::masked_fill_"} <= ops and not ops & {"aten::mul", "aten::div", "aten::masked_fill"}
+    ops |= {e.name for e in prof.events()}
     assert not ops & {"aten::scaled_dot_product_attention", "aten::_safe_softmax", "aten::where", "aten::isneginf"}
-    copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[0]]
+    events = [*forward.events(), *prof.events()]
+    copies = [e.input_shapes[0] for e in events if e.name == "aten::_to_copy" and e.input_shapes[0]]
     assert not copies  # of a tensor, forward or backward (scalars are cast as ever)
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
     assert y.dtype == torch.bfloat16

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer.dropout import dropout
+import transformer.dropout
 from transformer.packing import Linear, Packing
 
 
@@ -24,7 +24,7 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     keys apiece, turns a boolean mask into an additive one on every call and makes its softmax safe
     for rows that attend to nothing (no batch has one: every sentence ends with </s>), each a pass
     of its own; written out, the scores are scaled and masked in place (bench/attention_bf16.py).
-    In float32 torch's choice (flash), as fast as the written-out one there.
+    In float32, torch's choice (flash), as before.
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
     builds an execution plan for every new shape: with token batches nearly every batch of the
@@ -53,7 +53,7 @@ def _written_out() -> Iterator[None]:
 
 class MultiHeadAttention(nn.Module):
     """Implements section 3.2.2 through torch's scaled_dot_product_attention (flash/efficient kernels),
-    or from its formula where attention_kernels says so (CPU training) or the weights are kept.
+    or from its formula where attention_kernels says so (CPU bf16 training) or the weights are kept.
 
     Self-attention projects Q, K, V in one matmul and, when decoding incrementally, appends
     each step's K, V to `cache`; source attention then reads the memory's K, V from its `cache`
@@ -126,4 +126,4 @@ class MultiHeadAttention(nn.Module):
         weights = scores.softmax(-1)
         if self.keep_weights:
             self.weights = weights
-        return dropout(weights, p) @ v
+        return transformer.dropout.dropout(weights, p) @ v

@@ -3,7 +3,7 @@ process: torch's math kernel as torch leaves it, copying bf16 queries, keys and 
 the same kernel in bf16 (torch's switch for bf16 reductions on); and attention written out, as
 training computes it on a CPU (transformer.attention.attention_kernels).
 
-Run from the repository root (about 4 minutes on 2 cores with the defaults and real data):
+Run from the repository root (about 2 minutes on 2 cores with the defaults and real data, 3 with R-Drop):
 
     python bench/attention_bf16.py [--vocab-dir data/vocab] [--rdrop 10 --share 0.5] [--warmup 30] [--updates 40]
 

@@ -1,11 +1,16 @@
-"""bf16 training updates with three ways to attend on a CPU, taking turns update by update in one
+"""bf16 training updates with four ways to attend on a CPU, taking turns update by update in one
 process: torch's math kernel as torch leaves it, copying bf16 queries, keys and values to float32;
-the same kernel in bf16 (torch's switch for bf16 reductions on); and attention written out, as
-training computes it on a CPU (transformer.attention.attention_kernels).
+the same kernel in bf16 (torch's switch for bf16 reductions on); attention written out with torch's
+bf16 softmax; and attention written out as training computes it on a CPU
+(transformer.attention.attention_kernels), its softmax in float32 (_Softmax).
 
-Run from the repository root (about 2 minutes on 2 cores with the defaults and real data, 3 with R-Drop):
+Run from the repository root (about 3 minutes on 2 cores with the defaults and real data, 4 with R-Drop):
 
     python bench/attention_bf16.py [--vocab-dir data/vocab] [--rdrop 10 --share 0.5] [--warmup 30] [--updates 40]
+    python bench/attention_bf16.py --softmax-table
+
+--softmax-table times the softmax alone instead, forward and backward, on bf16 scores (B, 4, S, S)
+of about 3,000 rows of S values for S from 5 to 64: torch's bf16 softmax against _Softmax.
 
 The update is bench.py's (the default recipe's model and loss) in bf16 autocast, over the token
 batches of the corpus in --vocab-dir, else of bench.py's synthetic one, each batch new; each arm
@@ -29,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
+import transformer.attention  # noqa: E402
 from transformer.attention import attention_kernels  # noqa: E402
 from transformer.distributed import use_bf16  # noqa: E402
 from transformer.memory import training_memory  # noqa: E402
@@ -47,11 +53,50 @@ def math_in_bf16() -> Iterator[None]:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
+@contextlib.contextmanager
+def softmax_in_bf16() -> Iterator[None]:
+    """Attention written out, as training's, but with torch's softmax of the bf16 scores."""
+    softmax = transformer.attention._Softmax
+    transformer.attention._Softmax = _TorchSoftmax
+    try:
+        with attention_kernels(torch.device("cpu"), True):
+            yield
+    finally:
+        transformer.attention._Softmax = softmax
+
+
+class _TorchSoftmax:
+    @staticmethod
+    def apply(scores: torch.Tensor) -> torch.Tensor:
+        return scores.softmax(-1)
+
+
 ARMS = {  # torch leaves its switch for bf16 math off: the kernel alone copies to float32
     "float32 copies": lambda: sdpa_kernel(SDPBackend.MATH),
     "math in bf16": math_in_bf16,
+    "bf16 softmax": softmax_in_bf16,
     "written out": lambda: attention_kernels(torch.device("cpu"), True),
 }
+LENGTHS = (5, 8, 11, 13, 16, 19, 24, 30, 32, 40, 48, 64)  # --softmax-table's row lengths
+
+
+def softmax_table_of(warmup: int, reps: int) -> None:
+    """Prints the softmax's microseconds, forward and backward, on bf16 scores of each of LENGTHS."""
+    threads = torch.get_num_threads()
+    print(f"softmax of bf16 scores (B, 4, S, S), about 3,000 rows, forward and backward (µs); {threads} threads")
+    print(f"  {'S':>3} {'B':>4} {'torch bf16':>11} {'_Softmax':>9}")
+    for length in LENGTHS:
+        scores = torch.randn(3000 // length, 4, length, length).bfloat16().requires_grad_()
+        grad = torch.randn(scores.shape).bfloat16()
+        ways = {"torch": _TorchSoftmax.apply, "ours": transformer.attention._Softmax.apply}
+        runs = {name: _forward_and_back(way, scores, grad) for name, way in ways.items()}
+        us = {name: 1000 * ms for name, ms in bench.alternating_ms(runs, warmup, reps).items()}
+        speed = us["torch"] / us["ours"]
+        print(f"  {length:>3} {scores.size(0):>4} {us['torch']:>11,.0f} {us['ours']:>9,.0f}   {speed:.2f}×")
+
+
+def _forward_and_back(softmax, scores: torch.Tensor, grad: torch.Tensor):
+    return lambda i: softmax(scores).backward(grad)
 
 
 @click.command()
@@ -59,8 +104,12 @@ ARMS = {  # torch leaves its switch for bf16 math off: the kernel alone copies t
 @bench.rdrop_options(0.0)
 @click.option("--warmup", type=click.IntRange(min=0), default=30, show_default=True, help="Untimed updates first.")
 @click.option("--updates", type=click.IntRange(min=1), default=40, show_default=True, help="Updates timed.")
-def main(vocab_dir: Path | None, rdrop: float, share: float, warmup: int, updates: int) -> None:
+@click.option("--softmax-table", is_flag=True, help="Time the softmax alone, over row lengths (--updates calls each).")
+def main(vocab_dir: Path | None, rdrop: float, share: float, warmup: int, updates: int, softmax_table: bool) -> None:
     """Prints each arm's milliseconds an update; see the module docstring."""
+    if softmax_table:
+        softmax_table_of(warmup, updates)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         data = bench.load_data(vocab_dir, Path(tmp))
         batches = bench.training_batches(data.corpus, warmup + updates)["token batches"]

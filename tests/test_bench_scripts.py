@@ -127,6 +127,12 @@ def test_attention_bf16_times_every_arm_and_leaves_torchs_switch_as_it_was():
     assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
 
 
+def test_attention_bf16_times_the_softmax_alone_at_every_row_length():
+    out = run(attention_bf16.main, ["--softmax-table", "--warmup", "0", "--updates", "1"])
+    rows = re.findall(r"^ +(\d+) +(\d+) +[0-9,]+ +[0-9,]+ +[0-9.]+×$", out, re.MULTILINE)
+    assert [(int(s), int(b)) for s, b in rows] == [(s, 3000 // s) for s in attention_bf16.LENGTHS], out
+
+
 @pytest.mark.parametrize("arm", row_buckets.ARMS)
 def test_row_buckets_times_an_arm_and_leaves_the_buckets_in_place(arm):
     bucket = transformer.packing.row_bucket

@@ -11,7 +11,7 @@ from conftest import tiny_params, train_outputs
 
 import transformer.loss
 from transformer import train as train_module
-from transformer.attention import MultiHeadAttention, attention_kernels
+from transformer.attention import MultiHeadAttention, _Softmax, attention_kernels
 from transformer.config import params_from_dict
 from transformer.loss import token_loss
 from transformer.model import make_model
@@ -136,7 +136,8 @@ def test_written_out_attention_gives_what_torchs_kernel_gives(monkeypatch, causa
 def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     """Written out, attention makes no float32 copies of its bf16 inputs and none of torch's math kernel's
     extra passes (its mask made additive, its softmax made safe for rows that attend to nothing); its
-    forward scales and masks the scores in place, with no tensor of their own."""
+    forward scales and masks the scores in place, with no tensor of their own. Only the softmax's
+    weights and the scores' gradient are copied back from float32 (_Softmax)."""
     attention = MultiHeadAttention(16, 2, self_attention=True).train()
     q, k, v, mask = _attention_inputs(False, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16), attention_kernels(torch.device("cpu"), True):
@@ -150,10 +151,34 @@ def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     assert not ops & {"aten::scaled_dot_product_attention", "aten::_safe_softmax", "aten::where", "aten::isneginf"}
     events = [*forward.events(), *prof.events()]
     copies = [e.input_shapes[0] for e in events if e.name == "aten::_to_copy" and e.input_shapes[0]]
-    assert not copies  # of a tensor, forward or backward (scalars are cast as ever)
+    assert copies == [[3, 2, 7, 7]] * 2  # of a tensor, forward and backward (scalars are cast as ever): the scores'
+    softmax = [e.input_shapes[0] for e in forward.events() if e.name == "aten::_softmax"]
+    assert softmax == [[3, 2, 7, 16]]  # rows of 7 scores padded to a float32 vector's 16
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("length", [7, 20], ids=["rows padded", "rows as they are"])
+def test_the_softmax_of_bf16_scores_is_float32s_forward_and_back(length):
+    """The written-out attention's softmax of bf16 scores gives float32's weights and gradient, each
+    rounded once to bf16 (a softmax in bf16 rounds the weights its backward reads: about a third of
+    the gradient's values then differ), on rows shorter than a float32 vector, padded, and longer;
+    masked (-inf) scores get no weight and no gradient."""
+    torch.manual_seed(0)
+    scores = (torch.randn(5, 2, 3, length) * 4).bfloat16()
+    scores[0, :, :, length // 2 :] = float("-inf")
+    scores.requires_grad_()
+    grad = torch.randn(scores.shape).bfloat16()
+    weights = _Softmax.apply(scores)
+    (d_scores,) = torch.autograd.grad(weights, scores, grad)
+    x = scores.detach().float().requires_grad_()
+    reference = x.softmax(-1)
+    (d_reference,) = torch.autograd.grad(reference, x, grad.float())
+    assert weights.shape == d_scores.shape == scores.shape and weights.dtype == d_scores.dtype == torch.bfloat16
+    assert torch.all(weights[0, :, :, length // 2 :] == 0) and torch.all(d_scores[0, :, :, length // 2 :] == 0)
+    for got, expected in ((weights, reference), (d_scores, d_reference)):
+        assert (got == expected.bfloat16()).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -123,7 +123,42 @@ class MultiHeadAttention(nn.Module):
         scores.mul_(1 / math.sqrt(self.d_k))
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
-        weights = scores.softmax(-1)
+        weights = _Softmax.apply(scores) if scores.dtype == torch.bfloat16 else scores.softmax(-1)
         if self.keep_weights:
             self.weights = weights
         return transformer.dropout.dropout(weights, p) @ v
+
+
+_ROW = 16  # values in a row of _Softmax's float32 softmax, at least: an AVX-512 register of float32
+
+
+class _Softmax(torch.autograd.Function):
+    """softmax over the last dim of bf16 scores (B, h, T, S), computed in float32, forward and back.
+
+    torch's CPU softmax runs bf16 rows several times slower than float32 ones unless their length
+    is a multiple of 32, its backward more so, and float32 rows shorter than a vector register
+    slower too (bench/attention_bf16.py's softmax table); attention's rows are a sentence long.
+    So the scores are copied to float32, rows shorter than _ROW padded with -inf (their weights
+    and gradients are 0), the weights kept in float32 for the backward, and the weights and the
+    scores' gradient handed back in bf16."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        weights = _widened(scores, _ROW, float("-inf")).softmax(-1)
+        ctx.save_for_backward(weights)
+        return weights[..., : scores.size(-1)].to(scores.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (weights,) = ctx.saved_tensors
+        g = _widened(grad, weights.size(-1), 0.0)
+        return torch._softmax_backward_data(g, weights, -1, torch.float32)[..., : grad.size(-1)].to(grad.dtype)
+
+
+def _widened(x: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """x (..., S) in float32, each row padded with `fill` up to `width` values where S is less."""
+    if x.size(-1) >= width:
+        return x.float()
+    out = x.new_full((*x.shape[:-1], width), fill, dtype=torch.float32)
+    out[..., : x.size(-1)] = x
+    return out

@@ -335,6 +335,46 @@ class _Matmuls(_OpNames):
         return sum(name in ("mm", "addmm", "bmm", "matmul", "linear") for name in self.names)
 
 
+class _Copies(TorchDispatchMode):
+    """The shapes of what the copies and casts run write (copy_) or read (_to_copy), and the ops' names."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+        self.shapes: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        self.names.add(name)
+        if name in ("copy_", "_to_copy"):
+            self.shapes.append(list(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rdrop", [False, True], ids=["token loss", "R-Drop"])
+def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch, rdrop):
+    """Under bf16 autocast the fused loss casts each block's float32 gradient to bf16 (as the generator's
+    matmuls take it) while the block is in cache: no copy spans more of the logits' rows than a block.
+    And the plain loss takes its log-probabilities from the softmax's maxima, with no log-softmax pass."""
+    vocab, rows = 40, 30
+    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.loss, "_BLOCK", 4 * vocab)  # 4 rows, or 4 pairs of rows, a block
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.generator = torch.nn.Linear(16, vocab, bias=False)
+    hidden = torch.randn(2 * rows if rdrop else rows, 1, 16, requires_grad=True)
+    target = torch.randint(3, vocab, (rows, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Copies() as ops:
+        if rdrop:
+            loss = rdrop_loss(model, hidden, target, PAD, 0.1, 5.0)
+        else:
+            loss = token_loss(model, hidden, target, PAD, 0.1)
+        loss.backward()
+    copies = [shape for shape in ops.shapes if shape[-1] == vocab]
+    assert copies and max(shape[0] for shape in copies) == 4, copies
+    assert rdrop or "_log_softmax" not in ops.names
+
+
 def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
     """Validation (no_grad) pays the generator's matmul alone, one a chunk; training three."""
     monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)

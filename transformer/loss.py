@@ -141,17 +141,25 @@ class _RDrop(torch.autograd.Function):
 
 
 def _rdrop_rows(
-    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, alpha: float, zero_pad: bool
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    alpha: float,
+    zero_pad: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """R-Drop's terms of the logits (2m, V) of m pairs of rows (the first pass's rows, then the second's),
     a block of pairs at a time: each row's smoothed cross-entropy (2m,), each pair's symmetric KL (m,),
-    and d loss / d logits (2m, V) before the incoming gradient, in float32 at least."""
+    and d loss / d logits (2m, V) before the incoming gradient, computed in float32 at least and
+    handed back in out_dtype (default: that dtype; see _block_buffer)."""
     n, vocab = logits.size(0) // 2, logits.size(1)
     keep = target != pad  # (2n,), the same for both halves
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits (autocast) are worked on in float32
     ce, kl = logits.new_empty(2 * n, dtype=dtype), logits.new_empty(n, dtype=dtype)
-    g = logits.new_empty(2 * n, vocab, dtype=dtype)
+    g = logits.new_empty(2 * n, vocab, dtype=out_dtype or dtype)
     pairs = _block_rows(logits[:n])
+    buffer = _block_buffer(g, dtype, pairs)
     with torch.autocast(logits.device.type, enabled=False):  # autocast would take vecdot to bf16
         for start in range(0, n, pairs):
             stop = min(start + pairs, n)
@@ -161,8 +169,18 @@ def _rdrop_rows(
             kl[rows[0]] = torch.linalg.vecdot(dp, dl)  # KL(P1||P2) + KL(P2||P1)
             for r, lp, p, sign in ((rows[0], lp1, p1, 1.0), (rows[1], lp2, p2, -1.0)):
                 ce[r] = _smoothed_nll(lp, target[r], pad, smoothing, zero_pad)
-                _rdrop_gradient(g[r], p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+                block = g[r] if buffer is None else buffer[: p.size(0)]
+                _rdrop_gradient(block, p, dl, dp, sign, target[r], keep[r], pad, smoothing, alpha, zero_pad)
+                if buffer is not None:
+                    g[r] = block
     return ce, kl, g
+
+
+def _block_buffer(g: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+    """Where a block of d loss / d logits is computed before it is stored in g (m, V): in g's own rows
+    (None) where g has the dtype computed in, else in this float32 buffer of `rows` rows, whose block
+    is then cast into g's rows (bf16, as the fused loss's matmuls take it) while still in cache."""
+    return None if g.dtype == dtype else g.new_empty(min(rows, g.size(0)), g.size(1), dtype=dtype)
 
 
 def _rdrop_sum(ce: torch.Tensor, kl: torch.Tensor, keep: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -300,7 +318,6 @@ class _Fused(torch.autograd.Function):
                 x = hidden.index_select(0, index.clamp(max=m - 1)).to(dtype)  # (pairs * size, d_model)
                 g = _chunk_loss(F.linear(x, w, b), target[index], pad, smoothing, alpha, zero_pad, ce, kl, index)
                 if grads:
-                    g = g.to(dtype)
                     d_hidden.index_copy_(0, index, (g @ w).to(hidden.dtype))
                     d_weight += g.t() @ x
                     if d_bias is not None:
@@ -327,45 +344,56 @@ def _chunk_loss(
     kl: torch.Tensor,
     index: torch.Tensor,
 ) -> torch.Tensor:
-    """A chunk's d loss / d logits; writes its rows' cross-entropies into ce at `index`, and with alpha
-    (R-Drop) its pairs' KLs into kl."""
+    """A chunk's d loss / d logits, in the logits' dtype (the generator's backward takes it so); writes its
+    rows' cross-entropies into ce at `index`, and with alpha (R-Drop) its pairs' KLs into kl."""
     if alpha is None:
-        rows, g = _ce_rows(logits, target, pad, smoothing, zero_pad)
+        rows, g = _ce_rows(logits, target, pad, smoothing, zero_pad, logits.dtype)
     else:
-        rows, pair_kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad)
+        rows, pair_kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad, logits.dtype)
         kl[index[: pair_kl.size(0)]] = pair_kl
     ce[index] = rows
     return g
 
 
 def _ce_rows(
-    logits: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    zero_pad: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's smoothed cross-entropy (m,) of the logits (m, V), and d loss / d logits (m, V) of their
-    sum (0 on pad rows), in float32 at least, a block of rows at a time as R-Drop's loss is computed."""
+    sum (0 on pad rows), computed in float32 at least, a block of rows at a time as R-Drop's loss is,
+    and handed back in out_dtype (default: that dtype; see _block_buffer)."""
     m, vocab = logits.shape
     keep = target != pad
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    ce, g = logits.new_empty(m, dtype=dtype), logits.new_empty(m, vocab, dtype=dtype)
+    ce, g = logits.new_empty(m, dtype=dtype), logits.new_empty(m, vocab, dtype=out_dtype or dtype)
     rows = _block_rows(logits)
+    buffer = _block_buffer(g, dtype, rows)
     for start in range(0, m, rows):
         r = slice(start, start + rows)
-        log_probs, _ = _distributions(logits[r], dtype, out=g[r])
-        ce[r] = _smoothed_nll(log_probs, target[r], pad, smoothing, zero_pad)
+        x = logits[r].to(dtype)
+        prob = torch.softmax(x, -1, out=g[r] if buffer is None else buffer[: x.size(0)])
+        # Each row's log-sum-exp from its largest logit and probability (1 over the sum of exps after
+        # the largest, and at least 1/V): the log-probabilities x - lse take no pass of their own.
+        lse = x.amax(-1) - prob.amax(-1).log()
+        ce[r] = _smoothed_nll(x, target[r], pad, smoothing, zero_pad, lse)
         # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out
-        _subtract_smoothed_target(g[r], target[r], pad, smoothing, zero_pad, 1.0)
-        _zero_pad_rows(g[r], keep[r])
+        _subtract_smoothed_target(prob, target[r], pad, smoothing, zero_pad, 1.0)
+        _zero_pad_rows(prob, keep[r])
+        if buffer is not None:
+            g[r] = prob
     return ce, g
 
 
-def _distributions(
-    logits: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-probabilities and the probabilities (into `out`) of logits (m, V), in dtype. The
-    probabilities from the logits, not exp(log-probs): softmax's kernel takes a faster exponential
-    than torch.exp's, within a few float32 ulps."""
+def _distributions(logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probabilities and the probabilities of logits (m, V), in dtype. The probabilities from
+    the logits, not exp(log-probs): softmax's kernel takes a faster exponential than torch.exp's,
+    within a few float32 ulps."""
     x = logits.to(dtype)
-    return x.log_softmax(-1), torch.softmax(x, -1, out=out)
+    return x.log_softmax(-1), x.softmax(-1)
 
 
 def _kept(hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,13 +424,20 @@ def smoothed_cross_entropy(
 
 
 def _smoothed_nll(
-    log_probs: torch.Tensor, target: torch.Tensor, pad: int, smoothing: float, zero_pad: bool
+    x: torch.Tensor,
+    target: torch.Tensor,
+    pad: int,
+    smoothing: float,
+    zero_pad: bool,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per row of log_probs (n, V): the cross-entropy against the smoothed target, which puts
-    1 - smoothing on the gold token and spreads smoothing over every column (torch's), or with
-    `zero_pad` over the V - 2 columns that are neither gold nor <blank>."""
-    gold = log_probs.gather(-1, target[:, None]).squeeze(-1)  # (n,)
+    """Per row of x (n, V), log-probabilities, or logits whose rows' log-sum-exp is `lse` (n,): the
+    cross-entropy against the smoothed target, which puts 1 - smoothing on the gold token and spreads
+    smoothing over every column (torch's), or with `zero_pad` over the V - 2 columns that are neither
+    gold nor <blank>."""
+    gold, total, at_pad = x.gather(-1, target[:, None]).squeeze(-1), x.sum(-1), x[:, pad]  # (n,) each
+    if lse is not None:  # of the log-probabilities x - lse
+        gold, total, at_pad = gold - lse, total - x.size(-1) * lse, at_pad - lse
     if zero_pad:
-        rest = log_probs.sum(-1) - gold - log_probs[:, pad]
-        return -(1 - smoothing) * gold - smoothing / (log_probs.size(-1) - 2) * rest
-    return -(1 - smoothing) * gold - smoothing / log_probs.size(-1) * log_probs.sum(-1)
+        return -(1 - smoothing) * gold - smoothing / (x.size(-1) - 2) * (total - gold - at_pad)
+    return -(1 - smoothing) * gold - smoothing / x.size(-1) * total

@@ -10,7 +10,8 @@ Run from the repository root (about 3 minutes on 2 cores with the defaults and r
     python bench/attention_bf16.py --softmax-table
 
 --softmax-table times the softmax alone instead, forward and backward, on bf16 scores (B, 4, S, S)
-of about 3,000 rows of S values for S from 5 to 64: torch's bf16 softmax against _Softmax.
+of about 3,000 queries (B x S) for S from 5 to 64, rows of S values: torch's bf16 softmax against
+_Softmax (--warmup and --updates calls each, taking turns).
 
 The update is bench.py's (the default recipe's model and loss) in bf16 autocast, over the token
 batches of the corpus in --vocab-dir, else of bench.py's synthetic one, each batch new; each arm
@@ -83,7 +84,7 @@ LENGTHS = (5, 8, 11, 13, 16, 19, 24, 30, 32, 40, 48, 64)  # --softmax-table's ro
 def softmax_table_of(warmup: int, reps: int) -> None:
     """Prints the softmax's microseconds, forward and backward, on bf16 scores of each of LENGTHS."""
     threads = torch.get_num_threads()
-    print(f"softmax of bf16 scores (B, 4, S, S), about 3,000 rows, forward and backward (µs); {threads} threads")
+    print(f"softmax of bf16 scores (B, 4, S, S), about 3,000 queries, forward and backward (µs); {threads} threads")
     print(f"  {'S':>3} {'B':>4} {'torch bf16':>11} {'_Softmax':>9}")
     for length in LENGTHS:
         scores = torch.randn(3000 // length, 4, length, length).bfloat16().requires_grad_()
@@ -96,7 +97,7 @@ def softmax_table_of(warmup: int, reps: int) -> None:
 
 
 def _forward_and_back(softmax, scores: torch.Tensor, grad: torch.Tensor):
-    return lambda i: softmax(scores).backward(grad)
+    return lambda i: torch.autograd.grad(softmax(scores), scores, grad)  # no pass adding into scores.grad
 
 
 @click.command()
@@ -104,7 +105,11 @@ def _forward_and_back(softmax, scores: torch.Tensor, grad: torch.Tensor):
 @bench.rdrop_options(0.0)
 @click.option("--warmup", type=click.IntRange(min=0), default=30, show_default=True, help="Untimed updates first.")
 @click.option("--updates", type=click.IntRange(min=1), default=40, show_default=True, help="Updates timed.")
-@click.option("--softmax-table", is_flag=True, help="Time the softmax alone, over row lengths (--updates calls each).")
+@click.option(
+    "--softmax-table",
+    is_flag=True,
+    help="Time the softmax alone, over row lengths (--warmup, --updates calls each; no data, no R-Drop).",
+)
 def main(vocab_dir: Path | None, rdrop: float, share: float, warmup: int, updates: int, softmax_table: bool) -> None:
     """Prints each arm's milliseconds an update; see the module docstring."""
     if softmax_table:

@@ -119,12 +119,13 @@ def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_
 
 
 def test_attention_bf16_times_every_arm_and_leaves_torchs_switch_as_it_was():
-    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    before, softmax = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(), transformer.attention._Softmax
     out = run(attention_bf16.main, ["--warmup", "1", "--updates", "2", "--rdrop", "5", "--share", "0.5"])
     assert "R-Drop α 5.0 on 50% of the sentences (2 batches, ms):" in out
     for arm in attention_bf16.ARMS:
         assert re.search(rf"^ +{arm} +[0-9.]+ +[0-9.]+× math in bf16's speed$", out, re.MULTILINE), out
     assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
+    assert transformer.attention._Softmax is softmax  # put back after its arm
 
 
 def test_attention_bf16_times_the_softmax_alone_at_every_row_length():

@@ -151,7 +151,8 @@ def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     assert not ops & {"aten::scaled_dot_product_attention", "aten::_safe_softmax", "aten::where", "aten::isneginf"}
     events = [*forward.events(), *prof.events()]
     copies = [e.input_shapes[0] for e in events if e.name == "aten::_to_copy" and e.input_shapes[0]]
-    assert copies == [[3, 2, 7, 7]] * 2  # of a tensor, forward and backward (scalars are cast as ever): the scores'
+    # of a tensor (scalars are cast as ever): the weights back to bf16, forward, and the scores' gradient, backward
+    assert copies == [[3, 2, 7, 7]] * 2
     softmax = [e.input_shapes[0] for e in forward.events() if e.name == "aten::_softmax"]
     assert softmax == [[3, 2, 7, 16]]  # rows of 7 scores padded to a float32 vector's 16
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)

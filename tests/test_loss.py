@@ -335,20 +335,17 @@ class _Matmuls(_OpNames):
         return sum(name in ("mm", "addmm", "bmm", "matmul", "linear") for name in self.names)
 
 
-class _Copies(TorchDispatchMode):
-    """The shapes of what the copies and casts run write (copy_) or read (_to_copy), and the ops' names."""
+class _Copies(_OpNames):
+    """The ops' names, and the shapes of what the copies and casts write (copy_) or read (_to_copy)."""
 
     def __init__(self):
         super().__init__()
-        self.names: set[str] = set()
         self.shapes: list[list[int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        self.names.add(name)
-        if name in ("copy_", "_to_copy"):
+        if func.__name__.split(".")[0] in ("copy_", "_to_copy"):
             self.shapes.append(list(args[0].shape))
-        return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @pytest.mark.parametrize("rdrop", [False, True], ids=["token loss", "R-Drop"])

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer.dropout
@@ -23,7 +24,8 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     besides copying bf16 queries, keys and values to float32 unless told not to, scales queries and
     keys apiece, turns a boolean mask into an additive one on every call and makes its softmax safe
     for rows that attend to nothing (no batch has one: every sentence ends with </s>), each a pass
-    of its own; written out, the scores are scaled and masked in place (bench/attention_bf16.py).
+    of its own; written out, the scores are scaled and masked in place, and their softmax taken in
+    float32 (_Softmax; bench/attention_bf16.py).
     In float32, torch's choice (flash), as before.
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
@@ -123,7 +125,10 @@ class MultiHeadAttention(nn.Module):
         scores.mul_(1 / math.sqrt(self.d_k))
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
-        weights = _Softmax.apply(scores) if scores.dtype == torch.bfloat16 else scores.softmax(-1)
+        if scores.dtype == torch.bfloat16 and scores.device.type == "cpu":
+            weights = _Softmax.apply(scores)
+        else:
+            weights = scores.softmax(-1)
         if self.keep_weights:
             self.weights = weights
         return transformer.dropout.dropout(weights, p) @ v
@@ -136,8 +141,9 @@ class _Softmax(torch.autograd.Function):
     """softmax over the last dim of bf16 scores (B, h, T, S), computed in float32, forward and back.
 
     torch's CPU softmax runs bf16 rows several times slower than float32 ones unless their length
-    is a multiple of 32, its backward more so, and float32 rows shorter than a vector register
-    slower too (bench/attention_bf16.py's softmax table); attention's rows are a sentence long.
+    is a multiple of a bf16 vector's (32 values with AVX-512), its backward more so, and float32
+    rows shorter than a vector register slower too (bench/attention_bf16.py --softmax-table);
+    attention's rows are a sentence long.
     So the scores are copied to float32, rows shorter than _ROW padded with -inf (their weights
     and gradients are 0), the weights kept in float32 for the backward, and the weights and the
     scores' gradient handed back in bf16."""
@@ -149,6 +155,7 @@ class _Softmax(torch.autograd.Function):
         return weights[..., : scores.size(-1)].to(scores.dtype)
 
     @staticmethod
+    @once_differentiable  # the saved weights are no input: a second derivative would miss their terms
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (weights,) = ctx.saved_tensors
         g = _widened(grad, weights.size(-1), 0.0)

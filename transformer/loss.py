@@ -178,8 +178,9 @@ def _rdrop_rows(
 
 def _block_buffer(g: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
     """Where a block of d loss / d logits is computed before it is stored in g (m, V): in g's own rows
-    (None) where g has the dtype computed in, else in this float32 buffer of `rows` rows, whose block
-    is then cast into g's rows (bf16, as the fused loss's matmuls take it) while still in cache."""
+    (None) where g has `dtype`, the dtype computed in, else in this buffer of `rows` rows in dtype,
+    whose block is then cast into g's rows (the matmuls' dtype, bf16 under autocast) while still in
+    cache."""
     return None if g.dtype == dtype else g.new_empty(min(rows, g.size(0)), g.size(1), dtype=dtype)
 
 
@@ -285,10 +286,11 @@ class _Fused(torch.autograd.Function):
 
     Per chunk: its logits in the generator's dtype (bf16 under autocast, as the generator gives them),
     each row's terms of the loss and d loss / d logits as the whole loss computes them (_ce_rows,
-    _rdrop_rows, in float32), then from that gradient, cast to the logits' dtype as the generator's
-    backward gets it, the chunk's rows of d loss / d hidden and its share of d loss / d weight (and
-    bias), summed in the weight's dtype. The backward scales these by the incoming gradient. A tied
-    weight (the embeddings') is an input like any other: autograd adds its gradient to the embedding's."""
+    _rdrop_rows, in float32, cast to the logits' dtype a block at a time as the generator's backward
+    gets it: _block_buffer), then from that gradient the chunk's rows of d loss / d hidden and its
+    share of d loss / d weight (and bias), summed in the weight's dtype. The backward scales these by
+    the incoming gradient. A tied weight (the embeddings') is an input like any other: autograd adds
+    its gradient to the embedding's."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, pad, smoothing, alpha, zero_pad, grads: bool) -> torch.Tensor:
@@ -316,7 +318,10 @@ class _Fused(torch.autograd.Function):
                 index[:rows] = torch.arange(start, start + rows, device=hidden.device)
                 index = torch.cat([index + k * n * (index < m) for k in range(pairs)])  # (pairs * size,)
                 x = hidden.index_select(0, index.clamp(max=m - 1)).to(dtype)  # (pairs * size, d_model)
-                g = _chunk_loss(F.linear(x, w, b), target[index], pad, smoothing, alpha, zero_pad, ce, kl, index)
+                logits = F.linear(x, w, b)
+                # the gradient in the logits' dtype for the matmuls below; without them, as computed
+                out_dtype = logits.dtype if grads else None
+                g = _chunk_loss(logits, target[index], pad, smoothing, alpha, zero_pad, ce, kl, index, out_dtype)
                 if grads:
                     d_hidden.index_copy_(0, index, (g @ w).to(hidden.dtype))
                     d_weight += g.t() @ x
@@ -343,13 +348,14 @@ def _chunk_loss(
     ce: torch.Tensor,
     kl: torch.Tensor,
     index: torch.Tensor,
+    out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """A chunk's d loss / d logits, in the logits' dtype (the generator's backward takes it so); writes its
-    rows' cross-entropies into ce at `index`, and with alpha (R-Drop) its pairs' KLs into kl."""
+    """A chunk's d loss / d logits, in out_dtype (see _block_buffer); writes its rows' cross-entropies
+    into ce at `index`, and with alpha (R-Drop) its pairs' KLs into kl."""
     if alpha is None:
-        rows, g = _ce_rows(logits, target, pad, smoothing, zero_pad, logits.dtype)
+        rows, g = _ce_rows(logits, target, pad, smoothing, zero_pad, out_dtype)
     else:
-        rows, pair_kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad, logits.dtype)
+        rows, pair_kl, g = _rdrop_rows(logits, target, pad, smoothing, alpha, zero_pad, out_dtype)
         kl[index[: pair_kl.size(0)]] = pair_kl
     ce[index] = rows
     return g
@@ -376,8 +382,8 @@ def _ce_rows(
         r = slice(start, start + rows)
         x = logits[r].to(dtype)
         prob = torch.softmax(x, -1, out=g[r] if buffer is None else buffer[: x.size(0)])
-        # Each row's log-sum-exp from its largest logit and probability (1 over the sum of exps after
-        # the largest, and at least 1/V): the log-probabilities x - lse take no pass of their own.
+        # Each row's log-sum-exp from its largest logit and probability, 1 / sum(exp(x - max)), which
+        # is at least 1/V: the log-probabilities x - lse take no pass of their own.
         lse = x.amax(-1) - prob.amax(-1).log()
         ce[r] = _smoothed_nll(x, target[r], pad, smoothing, zero_pad, lse)
         # the softmax less the smoothed target, which sums to 1: the log-softmax's backward written out

@@ -32,10 +32,16 @@ def _src():
     return src
 
 
-def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
+def _sdpa_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every scaled_dot_product_attention call from now on."""
     calls = []
-    original = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or original(*a, **k))
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    return calls
+
+
+def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
+    calls = _sdpa_calls(monkeypatch)
     model = _model(N=2)
     model(_src(), torch.randint(4, 20, (3, 5)))
     assert len(calls) == 3 * 2  # encoder self, decoder self, decoder-source, per layer
@@ -96,9 +102,7 @@ def test_cpu_bf16_training_attends_written_out(monkeypatch, vocab_dir, tmp_path)
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
     train_module.train(params, vocab_dir, train_outputs(tmp_path))
     assert seen and set(seen) == {("cpu", True)}
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or sdpa(*a, **k))
+    calls = _sdpa_calls(monkeypatch)
     model = _model(N=2).train()
     for bf16, expected in ((True, 0), (False, 3 * 2)):  # fp32: torch's own choice (flash), per attention
         calls.clear()

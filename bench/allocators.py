@@ -8,7 +8,7 @@ Run from the repository root (about 6 minutes on 2 cores with the defaults):
 
 A process's malloc and oneDNN's cache are fixed when it starts, so each turn is a fresh
 `bench.py --quick --rows ...`, the arms taking turns, `--repeats` times each: glibc and mimalloc
-with oneDNN's default cache (1,024 kernels), then training's settings (transformer.memory:
+with oneDNN's default cache (1,024 kernels), then training's settings (transformer.kernels.memory:
 mimalloc, the cache limited). It prints each training row's median target tokens/s in each arm,
 each arm's ratio to glibc's, and each arm's peak resident set of a bench process.
 The environment is passed on, so MIMALLOC_* options apply to the mimalloc arms.
@@ -29,13 +29,19 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from transformer.io import write_json  # noqa: E402
-from transformer.memory import ALLOCATOR_ENV, KERNEL_CACHE, KERNEL_CACHE_ENV, ONEDNN_KERNEL_CACHE, mimalloc_library  # noqa: E402
+from transformer.kernels.memory import (  # noqa: E402
+    ALLOCATOR_ENV,
+    KERNEL_CACHE,
+    KERNEL_CACHE_ENV,
+    ONEDNN_KERNEL_CACHE,
+    mimalloc_library,
+)
 
 ONEDNN_DEFAULT = {KERNEL_CACHE_ENV: str(ONEDNN_KERNEL_CACHE)}
 ARMS = {  # name -> the environment it sets; the first is what the others are compared with
     "glibc": {ALLOCATOR_ENV: "glibc"} | ONEDNN_DEFAULT,
     "mimalloc": ONEDNN_DEFAULT,
-    "training": {},  # training's own: mimalloc, oneDNN's cache as transformer.memory limits it
+    "training": {},  # training's own: mimalloc, oneDNN's cache as transformer.kernels.memory limits it
 }
 
 

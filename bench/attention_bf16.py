@@ -2,7 +2,7 @@
 process: torch's math kernel as torch leaves it, copying bf16 queries, keys and values to float32;
 the same kernel in bf16 (torch's switch for bf16 reductions on); attention written out with torch's
 bf16 softmax; and attention written out as training computes it on a CPU
-(transformer.attention.attention_kernels), its softmax in float32 (_Softmax).
+(transformer.model.attention.attention_kernels), its softmax in float32 (_Softmax).
 
 Run from the repository root (about 3 minutes on 2 cores with the defaults and real data, 4 with R-Drop):
 
@@ -16,7 +16,7 @@ _Softmax (--warmup and --updates calls each, taking turns).
 The update is bench.py's (the default recipe's model and loss) in bf16 autocast, over the token
 batches of the corpus in --vocab-dir, else of bench.py's synthetic one, each batch new; each arm
 trains a model of its own from the same initial weights, in a process set up as training's
-(transformer.memory.training_memory). It prints each arm's median milliseconds an update after
+(transformer.kernels.memory.training_memory). It prints each arm's median milliseconds an update after
 --warmup untimed ones, and its speed against the math kernel's in bf16. Where the CPU has no native
 bf16, training runs in float32 and never takes this path; the script still times it, and says so.
 """
@@ -35,10 +35,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-import transformer.attention  # noqa: E402
-from transformer.attention import attention_kernels  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import training_memory  # noqa: E402
+import transformer.model.attention  # noqa: E402
+from transformer.kernels.memory import training_memory  # noqa: E402
+from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -57,13 +57,13 @@ def math_in_bf16() -> Iterator[None]:
 @contextlib.contextmanager
 def softmax_in_bf16() -> Iterator[None]:
     """Attention written out, as training's, but with torch's softmax of the bf16 scores."""
-    softmax = transformer.attention._Softmax
-    transformer.attention._Softmax = _TorchSoftmax
+    softmax = transformer.model.attention._Softmax
+    transformer.model.attention._Softmax = _TorchSoftmax
     try:
         with attention_kernels(torch.device("cpu"), True):
             yield
     finally:
-        transformer.attention._Softmax = softmax
+        transformer.model.attention._Softmax = softmax
 
 
 class _TorchSoftmax:
@@ -89,7 +89,7 @@ def softmax_table_of(warmup: int, reps: int) -> None:
     for length in LENGTHS:
         scores = torch.randn(3000 // length, 4, length, length).bfloat16().requires_grad_()
         grad = torch.randn(scores.shape).bfloat16()
-        ways = {"torch": _TorchSoftmax.apply, "ours": transformer.attention._Softmax.apply}
+        ways = {"torch": _TorchSoftmax.apply, "ours": transformer.model.attention._Softmax.apply}
         runs = {name: _forward_and_back(way, scores, grad) for name, way in ways.items()}
         us = {name: 1000 * ms for name, ms in bench.alternating_ms(runs, warmup, reps).items()}
         speed = us["torch"] / us["ours"]

@@ -29,18 +29,22 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from transformer.batching import token_batches  # noqa: E402
+from transformer.data.batching import token_batches  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 
 
 def batching_at(rev: str):
-    """transformer/batching.py as commit `rev` had it, imported as a module of its own."""
+    """transformer/data/batching.py as commit `rev` had it, imported as a module of its own."""
     source = subprocess.run(
-        ["git", "show", f"{rev}:transformer/batching.py"], cwd=bench.ROOT, capture_output=True, text=True, check=True
+        ["git", "show", f"{rev}:transformer/data/batching.py"],
+        cwd=bench.ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     module = types.ModuleType(f"batching_{rev}")
     sys.modules[module.__name__] = module  # its dataclasses look their module up there
-    exec(compile(source, f"{rev}:transformer/batching.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:transformer/data/batching.py", "exec"), module.__dict__)
     return module
 
 

@@ -13,9 +13,9 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
   the denominator of MFU (model FLOPs utilization) for rows of that dtype.
 - training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam, fused
   for ours as in training, label smoothing 0.1, dropout on); batches are built before the clock starts:
-    a. ours, 256 sentences: transformer.model.make_model + transformer.loss.batch_loss,
+    a. ours, 256 sentences: transformer.model.model.make_model + transformer.training.loss.batch_loss,
        fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch). They
-       are about 45% real tokens, so the model packs both sides (transformer.packing).
+       are about 45% real tokens, so the model packs both sides (transformer.kernels.packing).
     b. baseline, 256 sentences: bench/baseline.py (the seed's way of computing the same
        model) on the very same batches as a.
     c. ours, token batches: the project's default batching, token_batches with
@@ -23,17 +23,17 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
     d. baseline, seed recipe: 32 sentences padded to a fixed 72 tokens, as the seed trains
        (without its gradient accumulation, which changes the update count, not the speed).
     e. ours, token batches, bf16: c under torch.autocast("cpu", dtype=torch.bfloat16), with the
-       attention kernels training picks for it (transformer.attention.attention_kernels).
+       attention kernels training picks for it (transformer.model.attention.attention_kernels).
     f. ours, token batches, bf16, torch's default attention kernel (flash on this CPU): what
        the choice in e buys.
     r. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
-       (transformer.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
+       (transformer.training.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
        speed through the corpus, against c's. Its MFU credits both passes.
     s. ours, token batches, R-Drop, bf16: r under e's autocast, against e: what R-Drop costs
        where training runs in bf16.
     t. ours, token batches, with glibc's malloc defaults: c with the large blocks mapped and
        unmapped each update, as glibc does unless told otherwise; every other row of ours keeps
-       freed memory for reuse, as training does on glibc's malloc (transformer.memory.keep_freed_memory),
+       freed memory for reuse, as training does on glibc's malloc (transformer.kernels.memory.keep_freed_memory),
        and the baseline's rows run with glibc's defaults, as the seed does.
     u. the same against e, in bf16.
     m. c on batches padded to multiples of 8 tokens a side (train.pad_multiple 8), batched for it
@@ -42,7 +42,7 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
        sizes symbolic), compiled in its warm-up updates. Against m: compile on and off, same batches.
     o. the same as m against e, in bf16.
     p. the same as n against o, in bf16.
-  The bench runs with the memory settings training runs with (transformer.memory.training_memory):
+  The bench runs with the memory settings training runs with (transformer.kernels.memory.training_memory):
   oneDNN's kernel cache limited, and mimalloc where it is installed, where rows t and u, which
   are about glibc's settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
   bench/allocators.py sets them side by side with glibc's heap and oneDNN's default cache.
@@ -63,8 +63,8 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
   hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
   and training runs in fp32 (train.precision: auto).
 - decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
-  sentences of test2016-like lengths: ours greedy and beam 4 (transformer.search, batched by
-  length as transformer.translate does), and the baseline's greedy, one sentence at a time,
+  sentences of test2016-like lengths: ours greedy and beam 4 (transformer.decoding.search, batched by
+  length as transformer.decoding.translate does), and the baseline's greedy, one sentence at a time,
   re-running the decoder over the whole prefix. An untrained model may never (or at once)
   emit </s>, so every search gets eos = -1, an id no token has: each sentence is decoded to
   exactly its max length, source length + 5, for ours and the baseline alike.
@@ -108,18 +108,18 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # baseline.py sits beside this script, outside the package
 import baseline  # noqa: E402
 
-from transformer.attention import attention_kernels  # noqa: E402
-from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import load_params  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
+from transformer.data.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
+from transformer.data.vocab import BOS, PAD, load_vocabs  # noqa: E402
+from transformer.decoding.search import beam_search  # noqa: E402
+from transformer.decoding.translate import batched_search  # noqa: E402
+from transformer.evaluation.system import hardware  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory  # noqa: E402
-from transformer.model import Transformer, make_model  # noqa: E402
-from transformer.search import beam_search  # noqa: E402
-from transformer.system import hardware  # noqa: E402
-from transformer.train import StepLoss, compiled, make_optimizer  # noqa: E402
-from transformer.translate import batched_search  # noqa: E402
-from transformer.vocab import BOS, PAD, load_vocabs  # noqa: E402
+from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory  # noqa: E402
+from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.model.model import Transformer, make_model  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
+from transformer.training.train import StepLoss, compiled, make_optimizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = load_params(ROOT / "params.yaml")  # the default recipe's batching, smoothing and decoding
@@ -132,7 +132,7 @@ EXTRA = 5  # decoded length = source length + EXTRA
 MAX_BATCHES = 40  # built per training row, warm-up included
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-4  # training's schedule sets one per update; a fixed one times the same work
-COMPILE_BACKEND = "inductor"  # train.compile's (transformer.train.compiled); tests trace with aot_eager
+COMPILE_BACKEND = "inductor"  # train.compile's (transformer.training.train.compiled); tests trace with aot_eager
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ def ours_step(
     share: float = 1.0,
     compile: bool = False,
 ) -> Step:
-    """One update the way transformer.train does it (loss normalized by target tokens);
+    """One update the way transformer.training.train does it (loss normalized by target tokens);
     `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
     of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
     training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences;
@@ -568,7 +568,7 @@ def decode_sources(corpus: ParallelCorpus, count: int) -> list[list[int]]:
 
 
 def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> int:
-    """Target tokens produced by ours on every source, batched by length as transformer.translate does."""
+    """Target tokens produced by ours on every source, batched by length as transformer.decoding.translate does."""
     run = functools.partial(beam_search, model, beam=beam, alpha=PARAMS.decode.alpha, bos=BOS, eos=NO_EOS)
     limits = [len(s) + EXTRA for s in sources]
     searched = batched_search(sources, limits, beam, PARAMS.decode.batch_tokens, torch.device("cpu"), run)
@@ -625,10 +625,10 @@ def model_rows(
     on the same sentences and threads: target tokens/s (</s> included) and BLEU (sacreBLEU, detokenized)."""
     import sacrebleu
 
-    from transformer.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
+    from transformer.data.tokenize import detokenize
+    from transformer.decoding.translate import Translator
     from transformer.io import read_lines
-    from transformer.tokenize import detokenize
-    from transformer.translate import Translator
+    from transformer.serving.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 
     translator = Translator(model_path, device="cpu")
     p = translator.params["decode"]

@@ -1,4 +1,4 @@
-"""What transformer.dropout's CPU masks buy: dropout and whole training updates with torch's
+"""What transformer.kernels.dropout's CPU masks buy: dropout and whole training updates with torch's
 masks (F.dropout) against ours, taking turns in one process.
 
 Run from the repository root (about a minute on 2 cores):
@@ -27,20 +27,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-import transformer.dropout  # noqa: E402
+import transformer.kernels.dropout  # noqa: E402
 from transformer.config import CHOICES  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import keep_freed_memory  # noqa: E402
-from transformer.vocab import PAD  # noqa: E402
+from transformer.data.vocab import PAD  # noqa: E402
+from transformer.kernels.memory import keep_freed_memory  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
-WAYS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.dropout.dropout}
+WAYS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.kernels.dropout.dropout}
 
 
 def with_masks(way: str, run: Callable[[int], object]) -> Callable[[int], None]:
     """`run`, with the model's dropout drawing `way`'s masks."""
 
     def call(i: int) -> None:
-        transformer.dropout.dropout = WAYS[way]
+        transformer.kernels.dropout.dropout = WAYS[way]
         run(i)
 
     return call
@@ -70,7 +70,7 @@ def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
         x = torch.randn(tokens, size.d_model, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
 
         def one_dropout(i: int) -> None:
-            transformer.dropout.dropout(x, 0.1).backward(torch.ones_like(x))
+            transformer.kernels.dropout.dropout(x, 0.1).backward(torch.ones_like(x))
 
         ms = bench.alternating_ms({way: with_masks(way, one_dropout) for way in WAYS}, warmup=2, reps=10 * reps)
         bench.print_speeds(f"one dropout of {tokens:,} × {size.d_model}, forward and backward (ms):", ms, "torch")
@@ -80,7 +80,7 @@ def main(vocab_dir: Path | None, reps: int, precision: str) -> None:
             ms = bench.alternating_ms(runs, warmup=2, reps=reps)
             bench.print_speeds(f"updates of the {size.name} model, R-Drop α {rdrop} ({reps} batches, ms):", ms, "torch")
     finally:
-        transformer.dropout.dropout = WAYS["ours"]
+        transformer.kernels.dropout.dropout = WAYS["ours"]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Builds the model of params.yaml's size and times bench.py's R-Drop update of it in bf16 (fused
 Adam, as training does) over the first token batches of build_vocab's training ids, each batch a new shape:
-first with the kernels training picks (transformer.attention.attention_kernels), then with
+first with the kernels training picks (transformer.model.attention.attention_kernels), then with
 torch's own choice, then with each backend forced (a refused one says why). The first --warmup
 batches of each row are not timed. The profile of a few updates under torch's choice names the
 attention kernels it ran. Before the rows, one untimed pass over every batch with training's
@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from transformer.attention import attention_kernels  # noqa: E402
+from transformer.model.attention import attention_kernels  # noqa: E402
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

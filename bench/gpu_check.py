@@ -49,18 +49,18 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench  # noqa: E402  (its FLOPs a token: bench.train_flops)
-import transformer.train  # noqa: E402
+import transformer.training.train  # noqa: E402
 from transformer import checkpoints  # noqa: E402
-from transformer.attention import attention_kernels  # noqa: E402
-from transformer.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
 from transformer.config import params_from_dict  # noqa: E402
-from transformer.distributed import set_precision  # noqa: E402
+from transformer.data.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
+from transformer.data.vocab import PAD  # noqa: E402
 from transformer.io import write_json  # noqa: E402
-from transformer.memory import peak_rss_mb  # noqa: E402
-from transformer.model import make_model  # noqa: E402
+from transformer.kernels.memory import peak_rss_mb  # noqa: E402
+from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.model.model import make_model  # noqa: E402
 from transformer.presets import recipe  # noqa: E402
-from transformer.train import StepLoss, make_optimizer  # noqa: E402
-from transformer.vocab import PAD  # noqa: E402
+from transformer.training.distributed import set_precision  # noqa: E402
+from transformer.training.train import StepLoss, make_optimizer  # noqa: E402
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
 CUDA_TESTS = ("tests/test_fast_paths.py", "tests/test_scale_out.py", "tests/test_distributed.py")
@@ -127,13 +127,13 @@ def updates_of(corpus: ParallelCorpus, max_tokens: int, accum: int, count: int, 
 
 def update_step(params, vocab: int, device: torch.device, compiled: bool, backend: str):
     """One training update over an update's micro-batches, the loss normalized by its target
-    tokens, as transformer.train's loop runs it in one process; returns bf16's use too."""
+    tokens, as transformer.training.train's loop runs it in one process; returns bf16's use too."""
     torch.manual_seed(1)
     config = {"src_vocab": vocab, "tgt_vocab": vocab, "pad": PAD} | dataclasses.asdict(params.model)
     model = make_model(**config).to(device).train()
     optimizer = make_optimizer(model, params.train.weight_decay, device)
     loss_of = StepLoss(model, params.train.label_smoothing)  # the model, its generator and the loss
-    loss_of = transformer.train.compiled(loss_of, backend) if compiled else loss_of
+    loss_of = transformer.training.train.compiled(loss_of, backend) if compiled else loss_of
     bf16 = set_precision(params.train.precision, device)
 
     def update(micro: list[Batch]) -> None:
@@ -253,8 +253,8 @@ def cuda_tests() -> dict[str, Any]:
 
 def toy_vocab(work: Path) -> Path:
     """A tiny BPE vocabulary and token ids of a word-for-word toy corpus, as the stages make them."""
-    from transformer.tokenize import tokenize_corpus
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
 
     g = torch.Generator().manual_seed(1)
     words = [f"{c}{v}n" for c in "bdfgklmprst" for v in "aeiou"]

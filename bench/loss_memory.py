@@ -1,6 +1,6 @@
 """What fusing the generator and the loss saves on a CPU: the peak memory and time of one loss
 forward and backward, the whole loss (every logit at once) against the fused one
-(transformer.loss._Fused, a chunk of rows at a time), at the paper's batch size.
+(transformer.training.loss._Fused, a chunk of rows at a time), at the paper's batch size.
 
 Run from the repository root (a few minutes on 2 cores; the whole loss needs about 15 GB):
 
@@ -9,7 +9,7 @@ Run from the repository root (a few minutes on 2 cores; the whole loss needs abo
 The loss is token_loss (label smoothing 0.1) of --tokens target tokens, and rdrop_loss (α 5) of
 --tokens rows: two passes of half as many tokens. Its input is random decoder states (tokens,
 d_model) and a bias-free generator (vocab, d_model), in fp32, and under bf16 autocast where the
-CPU has bf16. "whole" is the loss with transformer.loss.FUSE_ABOVE out of reach, "fused" with it
+CPU has bf16. "whole" is the loss with transformer.training.loss.FUSE_ABOVE out of reach, "fused" with it
 at 0; the first line printed says which of the two the code takes at this size by itself.
 
 Each case runs in a fresh process, so that one case's freed memory is not another's: there the
@@ -35,9 +35,9 @@ import click
 import torch
 from torch import nn
 
-import transformer.loss
-from transformer.distributed import use_bf16
-from transformer.vocab import PAD
+import transformer.training.loss
+from transformer.data.vocab import PAD
+from transformer.training.distributed import use_bf16
 
 LOSSES = ("token_loss", "rdrop_loss")
 PATHS = {"whole": 1 << 62, "fused": 0}  # FUSE_ABOVE: never, always
@@ -59,7 +59,7 @@ def generator_only(d_model: int, vocab: int) -> nn.Module:
 
 def run_case(loss: str, path: str, bf16: bool, tokens: int, vocab: int, d_model: int, reps: int) -> dict:
     """Peak MB beyond the inputs of one forward and backward, and the median seconds of it and --reps more."""
-    transformer.loss.FUSE_ABOVE = PATHS[path]
+    transformer.training.loss.FUSE_ABOVE = PATHS[path]
     g = torch.Generator().manual_seed(0)
     model = generator_only(d_model, vocab)
     passes = 2 if loss == "rdrop_loss" else 1
@@ -69,7 +69,7 @@ def run_case(loss: str, path: str, bf16: bool, tokens: int, vocab: int, d_model:
 
     def call() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            value = getattr(transformer.loss, loss)(model, hidden, tgt_out, PAD, *args)
+            value = getattr(transformer.training.loss, loss)(model, hidden, tgt_out, PAD, *args)
         value.backward()
         hidden.grad = model.generator.weight.grad = None
 
@@ -99,7 +99,7 @@ def main(tokens: int, vocab: int, d_model: int, reps: int, case: str | None) -> 
         raise click.ClickException(f"the whole loss needs about {need:,.0f} MB; {free:,.0f} MB are available")
     precisions = ["fp32"] + (["bf16"] if use_bf16("auto", torch.device("cpu")) else [])
     with torch.device("meta"):  # shapes only
-        fuses = transformer.loss._fuses(generator_only(d_model, vocab), torch.empty(tokens, d_model))
+        fuses = transformer.training.loss._fuses(generator_only(d_model, vocab), torch.empty(tokens, d_model))
     chosen = "fused" if fuses else "whole"
     print(f"{tokens:,} rows × {vocab:,} vocabulary (the code takes the {chosen} loss), d_model {d_model}")
     for loss in LOSSES:

@@ -1,5 +1,5 @@
 """Where packing pays: training tokens/s with every side padded against every side packed
-(transformer.packing), by the share of a batch's positions that hold real tokens.
+(transformer.kernels.packing), by the share of a batch's positions that hold real tokens.
 
 Run from the repository root (about 3 minutes on 2 cores):
 
@@ -9,7 +9,7 @@ Each batch holds 3,000 positions per side (train.max_tokens), 100 sentences padd
 source and target at the same fill, random ids of a joint vocabulary of 8,000. The two
 ways alternate fill by fill, each after warm-up, in one process; the update is bench.py's
 (Adam, label smoothing 0.1, dropout 0.1), fp32 and bf16. The crossover sets
-transformer.packing.PACK_BELOW.
+transformer.kernels.packing.PACK_BELOW.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-import transformer.packing  # noqa: E402
-from transformer.batching import Batch  # noqa: E402
-from transformer.vocab import BOS, EOS, PAD  # noqa: E402
+import transformer.kernels.packing  # noqa: E402
+from transformer.data.batching import Batch  # noqa: E402
+from transformer.data.vocab import BOS, EOS, PAD  # noqa: E402
 
 ROWS, LENGTH, VOCAB = 100, 30, 8000
 FILLS = (0.45, 0.6, 0.75, 0.85, 0.9, 0.95, 1.0)
@@ -73,7 +73,7 @@ def main(size: str, steps: int) -> None:
             batches = [padded_batch(fill, seed) for seed in range(steps + 2)]
             speed = {}
             for way, threshold in WAYS.items():
-                transformer.packing.PACK_BELOW = threshold
+                transformer.kernels.packing.PACK_BELOW = threshold
                 speed[way] = tokens_per_s(bench.ours_step(data, bench.SIZES[size], dtype == "bf16"), batches, 2)
             real = sum(b.ntokens for b in batches) / sum(b.tgt_out.numel() for b in batches)
             print(

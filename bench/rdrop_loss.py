@@ -1,5 +1,5 @@
 """What blocking R-Drop's loss buys on a CPU: its loss alone and whole R-Drop updates, with the
-loss worked on whole (one block of every row) against blocks of transformer.loss._BLOCK values.
+loss worked on whole (one block of every row) against blocks of transformer.training.loss._BLOCK values.
 
 Run from the repository root (under a minute on 2 cores):
 
@@ -27,21 +27,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-import transformer.loss  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import keep_freed_memory  # noqa: E402
-from transformer.vocab import PAD  # noqa: E402
+import transformer.training.loss  # noqa: E402
+from transformer.data.vocab import PAD  # noqa: E402
+from transformer.kernels.memory import keep_freed_memory  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
 WHOLE = 1 << 62  # a block larger than any batch: the loss in one piece
 BLOCKS = {"whole": WHOLE} | {f"2^{k}": 1 << k for k in (15, 16, 17, 18, 19, 20)}
-DEFAULT = transformer.loss._BLOCK  # training's
+DEFAULT = transformer.training.loss._BLOCK  # training's
 
 
 def rdrop_loss(logits: torch.Tensor, target: torch.Tensor, block: int) -> None:
     """Forward and backward of R-Drop's loss in blocks of `block` values."""
-    transformer.loss._BLOCK = block
+    transformer.training.loss._BLOCK = block
     x = logits.detach().requires_grad_()
-    loss = transformer.loss._RDrop.apply(x, target, PAD, bench.PARAMS.train.label_smoothing, 5.0, False)
+    loss = transformer.training.loss._RDrop.apply(x, target, PAD, bench.PARAMS.train.label_smoothing, 5.0, False)
     (loss / len(target)).backward()
 
 
@@ -71,12 +71,12 @@ def main(vocab_dir: Path | None, reps: int) -> None:
     size, blocks = bench.SIZES["small"], {"whole": WHOLE, f"{DEFAULT:,}": DEFAULT}
     steps = {}
     for name, block in blocks.items():
-        transformer.loss._BLOCK = block
+        transformer.training.loss._BLOCK = block
         steps[name] = bench.ours_step(data, size, bf16, rdrop=5.0)
 
     def update(name: str) -> Callable[[int], None]:
         def run(i: int) -> None:
-            transformer.loss._BLOCK = blocks[name]
+            transformer.training.loss._BLOCK = blocks[name]
             steps[name](batches[i])
 
         return run

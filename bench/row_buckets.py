@@ -6,8 +6,8 @@ Run from the repository root (about 4 minutes on 2 cores with the defaults and r
     python bench/row_buckets.py [--vocab-dir data/vocab] [--rdrop 10 --share 0.5] [--turns 2]
 
 Where a CPU runs a matmul in bf16, oneDNN builds a kernel for each shape it meets and keeps it in a
-cache of the process (transformer/memory.py), and token batches bring new row counts with every
-update; so each arm is a fresh process (set up as training's: transformer.memory.training_memory),
+cache of the process (transformer/kernels/memory.py), and token batches bring new row counts with every
+update; so each arm is a fresh process (set up as training's: transformer.kernels.memory.training_memory),
 which runs --warmup untimed updates of the corpus's token batches, then times --updates more, each
 batch new. The default recipe's model and loss (bench.py's update), in bf16 where the CPU has it.
 It prints each arm's milliseconds an update and target tokens/s per turn, their medians, and the
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from transformer import packing  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import training_memory  # noqa: E402
+from transformer.kernels import packing  # noqa: E402
+from transformer.kernels.memory import training_memory  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
 ARMS = ("unbucketed", "bucketed")  # the second is compared with the first
 

@@ -167,10 +167,10 @@ def measured(args: list[str]) -> dict[str, float]:
 
 def startup(params_path: Path, vocab_dir: Path) -> dict[str, float]:
     """What train() does before its first update, on one rank; the CPU seconds of each part."""
-    from transformer.batching import ParallelCorpus, epoch_steps, token_batches
     from transformer.config import load_params
-    from transformer.train import data_fingerprint
-    from transformer.vocab import load_vocabs
+    from transformer.data.batching import ParallelCorpus, epoch_steps, token_batches
+    from transformer.data.vocab import load_vocabs
+    from transformer.training.train import data_fingerprint
 
     params, times, tick = load_params(params_path), {}, time.process_time()
 
@@ -212,10 +212,10 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
     if startup_of:  # the child process that times the train stage's start-up
         click.echo(json.dumps(startup(params_path, startup_of)))
         return
+    from transformer.evaluation.system import hardware
     from transformer.io import write_json
     from transformer.presets import recipe
     from transformer.stage import workers
-    from transformer.system import hardware
 
     work.mkdir(parents=True, exist_ok=True)
     load_before = round(os.getloadavg()[0], 1)
@@ -262,7 +262,7 @@ def _own_peak_gb() -> float:
 
 
 def _cpu_flags() -> str:
-    from transformer.system import cpuinfo
+    from transformer.evaluation.system import cpuinfo
 
     flags = cpuinfo().get("flags", "").split()
     return ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags)

@@ -8,9 +8,9 @@ Run from the repository root (under a minute on 2 cores):
 The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam)
 in bf16 where the CPU has it, else fp32, over the token batches of the corpus in --vocab-dir, else
 of bench.py's synthetic Multi30k-like one, in a process set up as training's
-(transformer.memory.training_memory). --rdrop 0 times the plain update and --share 0.5 R-Drop on
+(transformer.kernels.memory.training_memory). --rdrop 0 times the plain update and --share 0.5 R-Drop on
 half of each batch's sentences; --masks torch draws dropout's masks with torch's F.dropout instead
-of transformer.dropout's. After --warmup untimed updates the
+of transformer.kernels.dropout's. After --warmup untimed updates the
 profiler records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dropout_masks  # noqa: E402
 
 import bench  # noqa: E402
-import transformer.dropout  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
-from transformer.memory import training_memory  # noqa: E402
+import transformer.kernels.dropout  # noqa: E402
+from transformer.kernels.memory import training_memory  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
 KINDS = {  # op name -> kind; ops not named here are "the rest"
     "aten::mm": "matmuls",
@@ -136,11 +136,11 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
         data = bench.load_data(vocab_dir, Path(tmp))
         batches = bench.training_batches(data.corpus, warmup + updates)["token batches"]
     step = bench.ours_step(data, bench.SIZES["small"], bf16, rdrop=rdrop, share=share)
-    transformer.dropout.dropout = dropout_masks.WAYS[masks]
+    transformer.kernels.dropout.dropout = dropout_masks.WAYS[masks]
     try:
         found = op_times(step, batches, warmup)
     finally:
-        transformer.dropout.dropout = dropout_masks.WAYS["ours"]
+        transformer.kernels.dropout.dropout = dropout_masks.WAYS["ours"]
     peak = bench.matmul_peak(torch.bfloat16 if bf16 else torch.float32, seconds=2.0)
     times, total = found.times, sum(found.times.values())
     print(

@@ -5,9 +5,9 @@ from pathlib import Path
 import click
 
 from transformer.config import load_params
+from transformer.data.vocab import build_vocabs
 from transformer.io import atomic_dir
 from transformer.stage import PARAMS, stage, workers
-from transformer.vocab import build_vocabs
 
 
 @click.command()

@@ -23,9 +23,9 @@ from transformer.stage import PARAMS, stage
 @click.option("--report", required=True, type=click.Path(path_type=Path), help="JSON decoding speed")
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Path, report: Path) -> None:
-    from transformer.memory import peak_rss_mb
-    from transformer.translate import Translator, timed_translate
-    from transformer.vocab import load_vocabs
+    from transformer.data.vocab import load_vocabs
+    from transformer.decoding.translate import Translator, timed_translate
+    from transformer.kernels.memory import peak_rss_mb
 
     p = load_params(params_path).decode
     translator = Translator(model_path)

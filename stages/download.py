@@ -5,7 +5,7 @@ from pathlib import Path
 import click
 
 from transformer.config import load_params
-from transformer.download import download_corpus
+from transformer.data.download import download_corpus
 from transformer.stage import PARAMS, stage
 
 

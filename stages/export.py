@@ -28,7 +28,7 @@ from transformer.stage import PARAMS, stage
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: bool) -> None:
     from transformer import checkpoints
-    from transformer.export import write_ctranslate2
+    from transformer.serving.export import write_ctranslate2
 
     p = load_params(params_path).export
     model = checkpoints.load(model_path)
@@ -43,7 +43,7 @@ def main(params_path: Path, model_path: Path, vocab: Path, out: Path, track: boo
         )
     run_id = model.get("mlflow_run_id")
     if track and run_id:
-        from transformer.serving import log_model
+        from transformer.serving.serving import log_model
         from transformer.tracking import run_in_store, store_errors
 
         if run_in_store(run_id, f"the MLflow model (registered name '{p.registered_name}')"):

@@ -25,8 +25,8 @@ from transformer.stage import PARAMS, stage
 )
 @stage
 def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs: Path, out: Path, track: bool) -> None:
-    from transformer.figures import draw_figures
-    from transformer.model import load_model
+    from transformer.evaluation.figures import draw_figures
+    from transformer.model.model import load_model
 
     params = load_params(params_path)
     model, ckpt = load_model(model_path)

@@ -40,8 +40,9 @@ def main(
     out: Path,
     track: bool,
 ) -> None:
-    from transformer import checkpoints, report
-    from transformer.system import describe_model, hardware
+    from transformer import checkpoints
+    from transformer.evaluation import report
+    from transformer.evaluation.system import describe_model, hardware
     from transformer.tracking import git_commit
 
     params = load_params(params_path)

@@ -49,8 +49,8 @@ def main(
     track: bool,
 ) -> None:
     from transformer import checkpoints
-    from transformer.score import markdown_report, score_files, signatures, values
-    from transformer.system import describe_model, hardware
+    from transformer.evaluation.score import markdown_report, score_files, signatures, values
+    from transformer.evaluation.system import describe_model, hardware
 
     params = load_params(params_path)
     tgt = params.data.tgt_lang

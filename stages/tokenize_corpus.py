@@ -5,9 +5,9 @@ from pathlib import Path
 import click
 
 from transformer.config import load_params
+from transformer.data.tokenize import tokenize_corpus
 from transformer.io import atomic_dir, write_json
 from transformer.stage import PARAMS, stage, workers
-from transformer.tokenize import tokenize_corpus
 
 
 @click.command()

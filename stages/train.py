@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from transformer.config import load_params
-from transformer.memory import training_memory
+from transformer.kernels.memory import training_memory
 from transformer.stage import PARAMS, Resumed, stage
 
 
@@ -46,7 +46,7 @@ def main(
     track: bool,
 ) -> Resumed:
     from transformer import tracking
-    from transformer.train import Outputs, train_members
+    from transformer.training.train import Outputs, train_members
 
     params = load_params(params_path)
     if track:

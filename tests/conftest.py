@@ -129,8 +129,8 @@ def tiny_params(**overrides) -> dict:
 
 def tiny_model(**args):
     """make_model with the tests' smallest sizes; `args` name the vocabularies and what else differs."""
-    from transformer.model import make_model
-    from transformer.vocab import PAD
+    from transformer.data.vocab import PAD
+    from transformer.model.model import make_model
 
     sizes = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0, "norm": "pre", "tie_embeddings": False}
     return make_model(**sizes | {"pad": PAD} | args)
@@ -247,7 +247,7 @@ def run(
 
 def train_outputs(directory: Path):
     """Training's outputs under `directory`: checkpoints in ckpt/, the reports in reports/."""
-    from transformer.train import Outputs
+    from transformer.training.train import Outputs
 
     reports = directory / "reports"
     return Outputs(
@@ -273,8 +273,8 @@ def train_options(directory: Path) -> list[str]:
 @pytest.fixture
 def vocab_dir(tmp_path: Path) -> Path:
     """A toy corpus tokenized and turned into a BPE vocabulary with token-id arrays."""
-    from transformer.tokenize import tokenize_corpus
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
 
     registry = write_toy_corpus(tmp_path / "toy", {"train": 600, "val": 40})
     raw = registry.parent

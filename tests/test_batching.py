@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer.batching import (
+from transformer.data.batching import (
     ParallelCorpus,
     Prefetch,
     TrainingSplit,
@@ -13,8 +13,8 @@ from transformer.batching import (
     epoch_steps,
     token_batches,
 )
+from transformer.data.vocab import BOS, EOS, PAD
 from transformer.io import DataError
-from transformer.vocab import BOS, EOS, PAD
 
 
 def _lengths(n: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +226,7 @@ def test_training_split_without_bpe_dropout_is_build_vocabs_ids_in_every_epoch(v
 
 
 def _sampled_split(vocab_dir, dropout: float, seed: int = 1) -> TrainingSplit:
-    from transformer.vocab import load_vocabs
+    from transformer.data.vocab import load_vocabs
 
     tok = vocab_dir.parent / "tok"
     lines = tuple((tok / f"train.{lang}").read_text(encoding="utf-8").splitlines() for lang in ("de", "en"))

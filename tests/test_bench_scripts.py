@@ -26,10 +26,10 @@ import scale  # noqa: E402
 import update_profile  # noqa: E402
 
 import bench  # noqa: E402
-import transformer.dropout  # noqa: E402
-import transformer.loss  # noqa: E402
-import transformer.packing  # noqa: E402
-from transformer.distributed import use_bf16  # noqa: E402
+import transformer.kernels.dropout  # noqa: E402
+import transformer.kernels.packing  # noqa: E402
+import transformer.training.loss  # noqa: E402
+from transformer.training.distributed import use_bf16  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +66,7 @@ def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_w
 def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model():
     out = run(dropout_masks.main, ["--reps", "1"])
     assert out.count("× torch's speed") == 6  # three rows, two ways
-    assert transformer.dropout.dropout is dropout_masks.WAYS["ours"]
+    assert transformer.kernels.dropout.dropout is dropout_masks.WAYS["ours"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -75,7 +75,7 @@ def test_dropout_masks_times_the_precision_asked_for(precision):
 
 
 def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
-    monkeypatch.setattr(transformer.loss, "_BLOCK", transformer.loss._BLOCK)  # the script sets it
+    monkeypatch.setattr(transformer.training.loss, "_BLOCK", transformer.training.loss._BLOCK)  # the script sets it
     out = run(rdrop_loss.main, ["--reps", "1"])
     assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2
 
@@ -119,13 +119,13 @@ def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_
 
 
 def test_attention_bf16_times_every_arm_and_leaves_torchs_switch_as_it_was():
-    before, softmax = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(), transformer.attention._Softmax
+    before, softmax = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(), transformer.model.attention._Softmax
     out = run(attention_bf16.main, ["--warmup", "1", "--updates", "2", "--rdrop", "5", "--share", "0.5"])
     assert "R-Drop α 5.0 on 50% of the sentences (2 batches, ms):" in out
     for arm in attention_bf16.ARMS:
         assert re.search(rf"^ +{arm} +[0-9.]+ +[0-9.]+× math in bf16's speed$", out, re.MULTILINE), out
     assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
-    assert transformer.attention._Softmax is softmax  # put back after its arm
+    assert transformer.model.attention._Softmax is softmax  # put back after its arm
 
 
 def test_attention_bf16_times_the_softmax_alone_at_every_row_length():
@@ -136,11 +136,11 @@ def test_attention_bf16_times_the_softmax_alone_at_every_row_length():
 
 @pytest.mark.parametrize("arm", row_buckets.ARMS)
 def test_row_buckets_times_an_arm_and_leaves_the_buckets_in_place(arm):
-    bucket = transformer.packing.row_bucket
+    bucket = transformer.kernels.packing.row_bucket
     out = run(row_buckets.main, ["--arm", arm, "--warmup", "1", "--updates", "2"])
     timed = json.loads(out.splitlines()[-1])
     assert timed["ms_per_update"] > 0 and timed["tokens_per_s"] > 0
-    assert transformer.packing.row_bucket is bucket
+    assert transformer.kernels.packing.row_bucket is bucket
 
 
 def test_row_buckets_compares_the_medians_of_the_bucketed_arm_with_the_others():

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from conftest import toy_pairs
 
-from transformer import tokenize as tokenize_module
-from transformer import vocab as vocab_module
+from transformer.data import tokenize as tokenize_module
+from transformer.data import vocab as vocab_module
+from transformer.data.tokenize import tokenize_corpus
+from transformer.data.vocab import build_vocabs
 from transformer.errors import ConfigError
 from transformer.io import sha256_file
 from transformer.stage import WORKERS_ENV, workers
-from transformer.tokenize import tokenize_corpus
-from transformer.vocab import build_vocabs
 
 GOLDEN = Path(__file__).with_name("golden") / "data_path.json"
 MAX_LEN = 10

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import BIN, ROOT, run, same_values, write_params
 
-from transformer import checkpoints, distributed
+from transformer import checkpoints
+from transformer.training import distributed
 
 GPU = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from transformer import train as training
+from transformer.training import train as training
 from transformer.config import load_params
 
 out, rank = Path(sys.argv[1]), os.environ["RANK"]

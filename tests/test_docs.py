@@ -184,7 +184,7 @@ def test_the_checker_catches_what_it_is_for():
         ".venv/bin/transformer translate --modle m.pt",
         "python stages/train.py --vocab data/vocab --referencess x",
         "dcv repro",
-        "python -c 'from transformer.train import no_such_helper'",
+        "python -c 'from transformer.training.train import no_such_helper'",
     ):
         with pytest.raises((AssertionError, pytest.fail.Exception)):
             for argv in simple_commands(bad):

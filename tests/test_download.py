@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transformer.download import MIRROR_ENV, download_corpus, load_registry
+from transformer.data.download import MIRROR_ENV, download_corpus, load_registry
 from transformer.io import DataError, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]

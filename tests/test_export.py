@@ -15,11 +15,11 @@ from test_serve import SRC_LINES, model_and_vocab  # noqa: F401 (a fixture)
 from transformer import checkpoints
 from transformer.cli import main
 from transformer.config import load_params
-from transformer.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
-from transformer.model import make_model
-from transformer.search import greedy
-from transformer.translate import Translator
-from transformer.vocab import EOS, PAD, WordVocab
+from transformer.data.vocab import EOS, PAD, WordVocab
+from transformer.decoding.search import greedy
+from transformer.decoding.translate import Translator
+from transformer.model.model import make_model
+from transformer.serving.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 
 LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
 

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_params, train_outputs
 
-import transformer.loss
-from transformer import train as train_module
-from transformer.attention import MultiHeadAttention, _Softmax, attention_kernels
+import transformer.training.loss
 from transformer.config import params_from_dict
-from transformer.loss import token_loss
-from transformer.model import make_model
-from transformer.search import beam_search, greedy
-from transformer.vocab import PAD
+from transformer.data.vocab import PAD
+from transformer.decoding.search import beam_search, greedy
+from transformer.model.attention import MultiHeadAttention, _Softmax, attention_kernels
+from transformer.model.model import make_model
+from transformer.training import train as train_module
+from transformer.training.loss import token_loss
 
 
 def _model(N: int = 2):
@@ -50,17 +50,17 @@ def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "whole"])
 def test_generator_projects_only_non_pad_positions(monkeypatch, fuse):
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
     model = _model()
     rows = []
     model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
-    fused = transformer.loss._fused  # the fused loss reads the generator's weight, not its forward
+    fused = transformer.training.loss._fused  # the fused loss reads the generator's weight, not its forward
 
     def counted(generator, hidden, *args):
         rows.append(hidden.shape[0])
         return fused(generator, hidden, *args)
 
-    monkeypatch.setattr(transformer.loss, "_fused", counted)
+    monkeypatch.setattr(transformer.training.loss, "_fused", counted)
     tgt_out = torch.tensor([[5, 6, 1, 2, 2], [7, 1, 2, 2, 2], [5, 6, 7, 8, 1]])
     token_loss(model, model(_src(), tgt_out), tgt_out, pad=2, smoothing=0.1)
     assert rows == [int((tgt_out != 2).sum())]

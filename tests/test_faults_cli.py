@@ -255,7 +255,7 @@ def test_average_on_a_full_disk_keeps_the_previous_model(work):
 
 @pytest.mark.slow
 def test_decode_with_a_vocabulary_from_another_run_names_it(work):
-    from transformer.vocab import build_vocabs
+    from transformer.data.vocab import build_vocabs
 
     shutil.rmtree(work / "vocab")
     build_vocabs(work / "tok", work / "vocab", ("de", "en"), "bpe", 100, 1, "train", "val", seed=1)

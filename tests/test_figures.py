@@ -8,10 +8,10 @@ from conftest import BIN, ROOT, run
 
 from transformer import checkpoints
 from transformer.config import load_params
-from transformer.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
+from transformer.data.vocab import PAD, SPECIALS, WordVocab
+from transformer.evaluation.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
 from transformer.io import DataError
-from transformer.model import make_model
-from transformer.vocab import PAD, SPECIALS, WordVocab
+from transformer.model.model import make_model
 
 WORDS = ["kan", "pen", "bin", "don", "."]
 

@@ -53,7 +53,7 @@ def trained_model(tmp_path, vocab_dir) -> Path:
 
 
 def test_decode_killed_midway_keeps_the_previous_output_and_rerun_is_complete(tmp_path, vocab_dir, trained_model):
-    from transformer.tokenize import Tokenizer
+    from transformer.data.tokenize import Tokenizer
 
     source = tmp_path / "source.de"
     # The kill follows the progress bar's first count (it redraws once a second), and decode writes only after

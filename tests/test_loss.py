@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from conftest import DataDependentOps, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import transformer.loss
-import transformer.packing
-from transformer.batching import Batch
-from transformer.loss import _Fused, _RDrop, batch_loss, rdrop_loss, token_loss
+import transformer.kernels.packing
+import transformer.training.loss
+from transformer.data.batching import Batch
+from transformer.training.loss import _Fused, _RDrop, batch_loss, rdrop_loss, token_loss
 
 PAD = 2
 
@@ -19,7 +19,7 @@ PAD = 2
 @pytest.fixture(params=[False, True], ids=["whole", "fused"])
 def fused(request, monkeypatch):
     """Runs a test on the whole loss and again with the generator and loss fused (_Fused)."""
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0 if request.param else 1 << 62)
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if request.param else 1 << 62)
     return request.param
 
 
@@ -102,7 +102,7 @@ def test_partial_rdrop_passes_the_drawn_share_twice_and_weighs_every_sentence_as
 
 def test_partial_rdrop_forward_and_backward_wait_on_no_data_dependent_op(monkeypatch, fused):
     # As on an accelerator: there the model neither packs nor drops the padding before the generator.
-    monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
+    monkeypatch.setattr(transformer.kernels.packing, "counts_on_host", lambda t: False)
     model = _tiny(dropout=0.1).train()
     tgt_out = TGT_OUT.repeat(3, 1)
     batch = Batch(torch.tensor([[4, 5, 6, 1]]).repeat(6, 1), torch.tensor([[0, 5, 6, 1]]).repeat(6, 1), tgt_out, 18)
@@ -197,7 +197,7 @@ def test_rdrop_loss_in_blocks_is_bit_for_bit_the_loss_in_one(monkeypatch, dtype,
     target[[4, n + 4]] = PAD
 
     def run(block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(transformer.loss, "_BLOCK", block)
+        monkeypatch.setattr(transformer.training.loss, "_BLOCK", block)
         x = logits.clone().requires_grad_()
         loss = _RDrop.apply(x, target, PAD, 0.1, 5.0, zero_pad)
         (loss / 17).backward()
@@ -238,12 +238,12 @@ def _fused_batch() -> Batch:
 def _loss_and_gradients(monkeypatch, fuse: bool, chunk: int, bf16: bool, **loss):
     """batch_loss of a tiny tied-embedding model in training (dropout on), and every parameter's gradient:
     through the decoder they hold d loss / d hidden, and the tied embedding both of its uses' gradients."""
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
-    monkeypatch.setattr(transformer.loss, "_CHUNK", chunk)
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
+    monkeypatch.setattr(transformer.training.loss, "_CHUNK", chunk)
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, dropout=0.1, tie_embeddings=True).train()
     calls, hidden = [], []
-    monkeypatch.setattr(transformer.loss, "_Fused", _Spy(calls))
+    monkeypatch.setattr(transformer.training.loss, "_Fused", _Spy(calls))
 
     def forward(src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         hidden.append(model(src, tgt_in))
@@ -291,7 +291,7 @@ def test_fused_loss_and_its_gradients_are_the_whole_ones(monkeypatch, loss, chun
     logits in bf16) and the gradients of hidden and of the tied weight are compared: a bf16 model's
     backward magnifies the roundings on the way to the encoder's first norm."""
     if pad_rows:
-        monkeypatch.setattr(transformer.packing, "counts_on_host", lambda t: False)
+        monkeypatch.setattr(transformer.kernels.packing, "counts_on_host", lambda t: False)
     whole, expected = _loss_and_gradients(monkeypatch, False, chunk, bf16, **LOSSES[loss])
     fused, got = _loss_and_gradients(monkeypatch, True, chunk, bf16, **LOSSES[loss])
     assert float(fused) == pytest.approx(float(whole), rel=1e-5 if bf16 else 1e-6)
@@ -310,9 +310,9 @@ def test_every_batch_with_a_linear_generator_takes_the_fused_loss():
         model = torch.nn.Module()
         for rows, vocab in ((2 * 3000, 8000), (25000, 37000), (1, 100)):
             model.generator = torch.nn.Linear(512, vocab, bias=False)
-            assert transformer.loss._fuses(model, torch.empty(rows, 512))
+            assert transformer.training.loss._fuses(model, torch.empty(rows, 512))
         model.generator = torch.nn.Sequential(torch.nn.Linear(512, 37000))  # not the math _Fused repeats
-        assert not transformer.loss._fuses(model, torch.empty(25000, 512))
+        assert not transformer.training.loss._fuses(model, torch.empty(25000, 512))
 
 
 class _OpNames(TorchDispatchMode):
@@ -354,8 +354,8 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
     matmuls take it) while the block is in cache: no copy spans more of the logits' rows than a block.
     And the plain loss takes its log-probabilities from the softmax's maxima, with no log-softmax pass."""
     vocab, rows = 40, 30
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.loss, "_BLOCK", 4 * vocab)  # 4 rows, or 4 pairs of rows, a block
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.training.loss, "_BLOCK", 4 * vocab)  # 4 rows, or 4 pairs of rows, a block
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.generator = torch.nn.Linear(16, vocab, bias=False)
@@ -374,8 +374,8 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
 
 def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
     """Validation (no_grad) pays the generator's matmul alone, one a chunk; training three."""
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.loss, "_CHUNK", 10 * FUSED_VOCAB)  # 23 rows: 3 chunks
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.training.loss, "_CHUNK", 10 * FUSED_VOCAB)  # 23 rows: 3 chunks
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
     hidden, tgt_out = torch.randn(6, 6, 16, requires_grad=True), _fused_batch().tgt_out
@@ -404,8 +404,8 @@ def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkey
     """23 rows in chunks of 10 (R-Drop: 5 pairs): the last one's 3 rows (pairs) are padded to 8 (capped
     at the chunk), so that oneDNN meets kernels it has built, as packing.Linear's rows; in fp32 they
     are not. The padding's rows add nothing: the loss and its gradient are the unpadded ones."""
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.loss, "_CHUNK", 10 * FUSED_VOCAB)
+    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
+    monkeypatch.setattr(transformer.training.loss, "_CHUNK", 10 * FUSED_VOCAB)
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
     copies = 2 if rdrop else 1
@@ -425,7 +425,7 @@ def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkey
     rows, value, grad = loss(bf16=True)
     assert rows == ({10, 8} if not rdrop else {10})
     assert loss(bf16=False)[0] == ({10, 3} if not rdrop else {10, 6})
-    monkeypatch.setattr(transformer.packing, "row_bucket", lambda rows: rows)
+    monkeypatch.setattr(transformer.kernels.packing, "row_bucket", lambda rows: rows)
     unpadded_rows, unpadded, unpadded_grad = loss(bf16=True)
     assert unpadded_rows == ({10, 3} if not rdrop else {10, 6})
     torch.testing.assert_close(value, unpadded)
@@ -437,7 +437,7 @@ def test_a_batch_padded_to_a_multiple_of_8_has_the_exact_batchs_loss_and_gradien
     """The padding train.pad_multiple adds is masked everywhere: the loss and every gradient stay those
     of the batch padded to its longest line, to rounding. In float64: the padded side may pack on a CPU,
     and its other matmul shapes sum in another order, which in float32 moves a gradient by its ulps."""
-    from transformer.batching import ParallelCorpus
+    from transformer.data.batching import ParallelCorpus
 
     g = torch.Generator().manual_seed(4)
     lens = {side: torch.randint(1, 12, (6,), generator=g) for side in ("src", "tgt")}
@@ -471,8 +471,8 @@ def test_on_a_cpu_the_loss_zeroes_its_pad_rows_alone_and_runs_no_exp(rdrop):
     # except under a mode, which would see an index_put_ that never runs outside it.
     with torch.profiler.profile() as prof:
         if rdrop:
-            *_, g = transformer.loss._rdrop_rows(logits, target, PAD, 0.1, 5.0, zero_pad=False)
+            *_, g = transformer.training.loss._rdrop_rows(logits, target, PAD, 0.1, 5.0, zero_pad=False)
         else:
-            _, g = transformer.loss._ce_rows(logits, target, PAD, 0.1, zero_pad=False)
+            _, g = transformer.training.loss._ce_rows(logits, target, PAD, 0.1, zero_pad=False)
     assert torch.all(g[target == PAD] == 0) and torch.all(g[target != PAD].abs().amax(-1) > 0)
     assert not {"aten::masked_fill_", "aten::masked_fill", "aten::exp"} & {e.name for e in prof.events()}

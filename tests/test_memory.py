@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from transformer import memory
-from transformer.distributed import use_bf16
+from transformer.kernels import memory
+from transformer.training.distributed import use_bf16
 
 needs_mimalloc = pytest.mark.skipif(
     memory.mimalloc_library() is None, reason="cmeel-mimalloc, a dependency on Linux, is not installed"
@@ -43,7 +43,7 @@ def _onednn_log(code: str, *args: str, **env: str) -> str:
 
 _ALLOCATOR = """
 import os
-from transformer.memory import allocator, keep_freed_memory, kernel_cache, training_memory
+from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, training_memory
 training_memory()
 print(allocator(), keep_freed_memory(), os.environ.get("MIMALLOC_PURGE_DELAY"), os.environ.get("MIMALLOC_ALLOW_THP"),
       kernel_cache())
@@ -74,7 +74,7 @@ def test_a_kernel_cache_the_environment_sets_is_kept():
 # for each kernel it looks up).
 _KERNELS = """
 import torch
-from transformer.memory import KERNEL_CACHE, training_memory
+from transformer.kernels.memory import KERNEL_CACHE, training_memory
 training_memory()
 weight = torch.randn(64, 32, dtype=torch.bfloat16)
 for rows in [*range(1, KERNEL_CACHE + 101)] * 2:
@@ -97,8 +97,8 @@ _ROW_COUNTS = """
 import sys
 import torch
 import torch.nn.functional as F
-from transformer.memory import training_memory
-from transformer.packing import Linear
+from transformer.kernels.memory import training_memory
+from transformer.kernels.packing import Linear
 training_memory()
 layer = Linear(64, 32)
 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -134,13 +134,13 @@ def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeyp
 # and after two and a half times as many.
 _UPDATES = """
 import json, torch
-from transformer.memory import keep_freed_memory, training_memory
+from transformer.kernels.memory import keep_freed_memory, training_memory
 training_memory()
 keep_freed_memory()  # as training does where it runs on glibc
-from transformer.batching import Batch
-from transformer.loss import batch_loss
-from transformer.model import make_model
-from transformer.train import make_optimizer
+from transformer.data.batching import Batch
+from transformer.training.loss import batch_loss
+from transformer.model.model import make_model
+from transformer.training.train import make_optimizer
 
 def resident_mb():
     with open("/proc/self/status") as status:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from transformer.vocab import BOS, PAD
+from transformer.data.vocab import BOS, PAD
 
 V_SRC, V_TGT = 13, 11
 
@@ -40,7 +40,7 @@ def test_output_shapes():
 def test_copies_decode_one_encoding_of_the_source(padded):
     model = _model(tie=True)
     src, tgt = _tokens(4, 9, V_SRC, 1), _tokens(4, 6, V_SRC, 2)
-    if padded:  # mostly padding: both sides run packed (transformer.packing)
+    if padded:  # mostly padding: both sides run packed (transformer.kernels.packing)
         src[:, 3:], tgt[:, 2:] = PAD, PAD
     encoded = []
     model.encoder.register_forward_hook(lambda module, args, out: encoded.append(len(out)))

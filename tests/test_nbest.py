@@ -13,7 +13,7 @@ from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
 from transformer import Translator
 from transformer.cli import main
-from transformer.search import beam_search, beam_search_nbest
+from transformer.decoding.search import beam_search, beam_search_nbest
 
 
 def test_nbest_lists_the_finished_hypotheses_best_first_with_their_log_probabilities():

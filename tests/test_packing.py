@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 from torch.profiler import ProfilerActivity, profile
 
-from transformer import packing
-from transformer.packing import Packing
-from transformer.vocab import PAD
+from transformer.data.vocab import PAD
+from transformer.kernels import packing
+from transformer.kernels.packing import Packing
 
 V = 20
 NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values

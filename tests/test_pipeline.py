@@ -26,7 +26,7 @@ from conftest import (
     write_toy_corpus,
 )
 
-from transformer.memory import KERNEL_CACHE, mimalloc_library
+from transformer.kernels.memory import KERNEL_CACHE, mimalloc_library
 
 DVC = str(BIN / "dvc")
 

@@ -10,14 +10,14 @@ import torch
 import yaml
 from conftest import ROOT, tiny_params
 
-from transformer import report, system
 from transformer.checkpoints import average_state_dicts
 from transformer.config import ADDED_TRAIN_KEYS, METRICS, load_params, params_from_dict
+from transformer.data.vocab import PAD
+from transformer.evaluation import report, system
+from transformer.evaluation.system import describe_model
 from transformer.io import DataError, write_json
-from transformer.model import make_model
+from transformer.model.model import make_model
 from transformer.presets import names, recipe
-from transformer.system import describe_model
-from transformer.vocab import PAD
 
 SCORES = {
     "val": {"bleu": 30.0, "bleu_tok_lc": 31.0, "chrf": 55.0, "ter": 50.0},

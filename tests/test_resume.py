@@ -11,7 +11,7 @@ from conftest import ROOT, run, same_values, train_cmd, write_params
 
 from transformer import checkpoints
 from transformer.config import params_from_dict, training_params
-from transformer.resume import comparable, restart_reason
+from transformer.training.resume import comparable, restart_reason
 
 
 def _train(tmp_path, vocab_dir, out, **params):
@@ -136,7 +136,7 @@ def test_a_launch_of_another_world_size_than_the_params_is_one_clear_error(tmp_p
 
 
 def test_each_rank_draws_from_a_seed_of_its_own_and_rank_0_from_train_seed():
-    from transformer.distributed import rank_seed
+    from transformer.training.distributed import rank_seed
 
     assert rank_seed(7, 0) == 7 and len({rank_seed(7, r) for r in range(64)}) == 64
 

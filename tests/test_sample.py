@@ -10,7 +10,7 @@ from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
 from transformer import Translator
 from transformer.cli import main
-from transformer.search import greedy, sample
+from transformer.decoding.search import greedy, sample
 
 # First token A (0.75) or B (0.25), then the end.
 COIN = {(): {A: 0.75, B: 0.25}, (A,): {EOS: 1.0}, (B,): {EOS: 1.0}}

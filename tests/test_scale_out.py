@@ -37,18 +37,18 @@ from conftest import (
     write_params,
 )
 
-import transformer.loss
+import transformer.training.loss
 from transformer import checkpoints
-from transformer.attention import MultiHeadAttention, attention_kernels
 from transformer.config import ConfigError, params_from_dict
-from transformer.download import MIRROR_ENV, download_corpus, load_registry
+from transformer.data.download import MIRROR_ENV, download_corpus, load_registry
+from transformer.data.vocab import PAD, BpeVocab, WordVocab
+from transformer.decoding.translate import Translator
 from transformer.io import DataError
-from transformer.layers import FeedForward
-from transformer.loss import smoothed_cross_entropy, token_loss
-from transformer.model import check_model_config, make_model
+from transformer.model.attention import MultiHeadAttention, attention_kernels
+from transformer.model.layers import FeedForward
+from transformer.model.model import check_model_config, make_model
 from transformer.presets import names, recipe
-from transformer.translate import Translator
-from transformer.vocab import PAD, BpeVocab, WordVocab
+from transformer.training.loss import smoothed_cross_entropy, token_loss
 
 # Dropout on, so that every rank draws random numbers; 600 pairs make 6 updates an epoch on 2 ranks.
 DDP_RUN = {"train.nproc": 2, "train.epochs": 10, "train.save_every": 4, "model.dropout": 0.1}
@@ -88,8 +88,8 @@ def _kill_9(jobs: list[subprocess.Popen]) -> None:
 def ddp_vocab(tmp_path_factory) -> Path:
     from conftest import write_toy_corpus
 
-    from transformer.tokenize import tokenize_corpus
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
 
     tmp = tmp_path_factory.mktemp("scale_vocab")
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
@@ -194,7 +194,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from transformer.config import load_params
-from transformer.train import Outputs, train
+from transformer.training.train import Outputs, train
 
 out = Path(sys.argv[1])
 
@@ -239,7 +239,7 @@ def test_final_upload_starts_after_every_rank_has_left_the_collectives(tmp_path,
 
 
 def test_validation_batches_put_pairs_longer_than_max_tokens_alone():
-    from transformer.train import validation_batches
+    from transformer.training.train import validation_batches
 
     src_lens = torch.tensor([5, 30, 4, 6, 50, 7, 3])
     tgt_lens = torch.tensor([6, 4, 5, 40, 3, 5, 4])
@@ -252,11 +252,11 @@ def test_validation_batches_put_pairs_longer_than_max_tokens_alone():
 
 
 def test_validation_pair_longer_than_max_tokens_does_not_stop_the_first_epoch(tmp_path):
-    from transformer.batching import ParallelCorpus
     from transformer.config import params_from_dict
-    from transformer.tokenize import tokenize_corpus
-    from transformer.train import train
-    from transformer.vocab import build_vocabs
+    from transformer.data.batching import ParallelCorpus
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
+    from transformer.training.train import train
 
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -327,7 +327,9 @@ def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing, monkeypatch):
-    monkeypatch.setattr(transformer.loss, "FUSE_ABOVE", 1 << 62)  # the whole loss; test_loss holds the fused to it
+    monkeypatch.setattr(
+        transformer.training.loss, "FUSE_ABOVE", 1 << 62
+    )  # the whole loss; test_loss holds the fused to it
     torch.manual_seed(0)
     model = _tiny(dropout=0.0).eval()
     _, _, tgt_out = _batch()
@@ -445,7 +447,7 @@ def _build_in_a_process_of_its_own(corpus: Path, out: Path, seed: int) -> bytes:
     # sentencepiece's own sampler drew the same lines within a process and others in the next
     # one: only separate processes show whether a build repeats.
     script = (
-        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom transformer.vocab import BpeVocab\n"
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom transformer.data.vocab import BpeVocab\n"
         f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
         f"open({str(out)!r}, 'wb').write(BpeVocab.train(lines, 150, seed={seed}, sample=300).proto)\n"
     )
@@ -568,7 +570,7 @@ def _mirror_download(tmp_path: Path, monkeypatch, name: str, data: bytes, **extr
 
 
 def test_gzip_bomb_is_refused_with_one_error_naming_the_file(tmp_path, monkeypatch):
-    monkeypatch.setattr("transformer.download.MAX_BYTES", 1 << 20)
+    monkeypatch.setattr("transformer.data.download.MAX_BYTES", 1 << 20)
     bomb = gzip.compress(b"\n" * (8 << 20), mtime=0)  # 8 MiB of newlines in about 8 KiB
     with pytest.raises(DataError, match="decompression bomb") as e:
         _mirror_download(tmp_path, monkeypatch, "bomb.gz", bomb)
@@ -578,7 +580,7 @@ def test_gzip_bomb_is_refused_with_one_error_naming_the_file(tmp_path, monkeypat
 
 
 def test_archive_member_beyond_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    monkeypatch.setattr("transformer.download.MAX_BYTES", 1 << 20)
+    monkeypatch.setattr("transformer.data.download.MAX_BYTES", 1 << 20)
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         info = tarfile.TarInfo("corpus/train.txt")

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from transformer.cli import main
+from transformer.evaluation.score import markdown_report, score_files, score_lines
 from transformer.io import DataError
-from transformer.score import markdown_report, score_files, score_lines
 
 METRICS = ("bleu", "bleu_tok_lc", "chrf", "ter")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from transformer.search import Ensemble, beam_search, greedy, length_penalty
+from transformer.decoding.search import Ensemble, beam_search, greedy, length_penalty
 
 BOS, EOS, PAD, A, B, C = range(6)
 V = 6

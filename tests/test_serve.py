@@ -18,8 +18,8 @@ from test_translate import never_ending
 
 from transformer import checkpoints
 from transformer.config import load_params
-from transformer.model import make_model
-from transformer.vocab import PAD, BpeVocab, WordVocab, save_vocabs
+from transformer.data.vocab import PAD, BpeVocab, WordVocab, save_vocabs
+from transformer.model.model import make_model
 
 SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
@@ -68,7 +68,7 @@ def slow_model(tmp_path_factory) -> tuple[Path, Path]:
     """A model file and its pyfunc model, on one BPE vocabulary for both sides as the pipeline's, whose
     translations end only at the length bound (source + 2), one sentence a batch: SLOW takes far longer
     than the timeouts below."""
-    from transformer.serving import save_model
+    from transformer.serving.serving import save_model
 
     bpe = BpeVocab.train(SRC_LINES + TGT_LINES, size=40, seed=0)  # 40 pieces: "Hund" is ▁ H u n d
     directory = tmp_path_factory.mktemp("slow")
@@ -79,7 +79,7 @@ def slow_model(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def pyfunc_dir(model_and_vocab, tmp_path_factory) -> Path:
-    from transformer.serving import save_model
+    from transformer.serving.serving import save_model
 
     out = tmp_path_factory.mktemp("pyfunc") / "model"
     save_model(*model_and_vocab, out)
@@ -100,7 +100,7 @@ def test_pyfunc_model_translates_as_the_translator_does(pyfunc_dir, model_and_vo
 def test_pyfunc_model_refuses_a_vocabulary_other_than_the_models(model_and_vocab, tmp_path):
     import mlflow
 
-    from transformer.serving import save_model
+    from transformer.serving.serving import save_model
 
     other = tmp_path / "other"
     save_vocabs(other, WordVocab.build(SRC_LINES + ["eine Katze"], min_freq=1), WordVocab.build(TGT_LINES, min_freq=1))

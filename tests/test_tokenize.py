@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from transformer.data.tokenize import JOINER, Tokenizer, detokenize, tokenize_corpus
 from transformer.io import DataError, count_lines, read_lines
-from transformer.tokenize import JOINER, Tokenizer, detokenize, tokenize_corpus
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/corpora/multi30k"
 

@@ -32,7 +32,7 @@ from conftest import (
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.errors import DataError
-from transformer.schedule import rate
+from transformer.training.schedule import rate
 
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -62,10 +62,10 @@ def _assert_same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
     from conftest import toy_pairs
 
-    from transformer.tokenize import tokenize_corpus
-    from transformer.train import train
-    from transformer.translate import Translator
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
+    from transformer.decoding.translate import Translator
+    from transformer.training.train import train
 
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -118,7 +118,7 @@ def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, voca
 
 
 def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_dir):
-    from transformer.train import train
+    from transformer.training.train import train
 
     def trained(name: str, rdrop: float, shared_encoder: bool = False, share: float = 1.0) -> dict:
         params = params_from_dict(
@@ -151,7 +151,7 @@ def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_d
 
 def test_partial_rdrop_killed_mid_epoch_resumes_to_bit_identical_weights(tmp_path, vocab_dir, monkeypatch, capsys):
     """The sentences passed twice are drawn from torch's generator, which a checkpoint keeps."""
-    import transformer.train as train_module
+    import transformer.training.train as train_module
 
     params = params_from_dict(
         tiny_params(
@@ -184,7 +184,7 @@ def test_partial_rdrop_killed_mid_epoch_resumes_to_bit_identical_weights(tmp_pat
 
 
 def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir, monkeypatch):
-    import transformer.train as train_module
+    import transformer.training.train as train_module
 
     alphas = []
 
@@ -205,8 +205,8 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
 
 
 def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
-    from transformer.model import make_model
-    from transformer.train import make_optimizer
+    from transformer.model.model import make_model
+    from transformer.training.train import make_optimizer
 
     torch.manual_seed(0)
     model = make_model(
@@ -228,8 +228,8 @@ def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
 
 _FAULTS_OF_FRESH_BLOCKS = """
 import json, resource, torch
-import transformer.train  # the process training runs in: what it maps decides where the heap can grow
-from transformer.memory import keep_freed_memory
+import transformer.training.train  # the process training runs in: what it maps decides where the heap can grow
+from transformer.kernels.memory import keep_freed_memory
 
 def faults_of_a_fresh_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -260,7 +260,7 @@ def test_kept_memory_serves_the_next_large_block_without_page_faults():
 
 
 def test_cpu_training_hands_freed_memory_back_every_release_every_updates(tmp_path, vocab_dir, monkeypatch):
-    import transformer.train as train_module
+    import transformer.training.train as train_module
 
     released = []
     monkeypatch.setattr(train_module, "RELEASE_EVERY", 3)
@@ -271,7 +271,7 @@ def test_cpu_training_hands_freed_memory_back_every_release_every_updates(tmp_pa
 
 
 def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, vocab_dir, monkeypatch):
-    import transformer.train as train_module
+    import transformer.training.train as train_module
 
     params = params_from_dict(tiny_params(**{"train.epochs": 2, "model.dropout": 0.1}))
     train_module.train(params, vocab_dir, train_outputs(tmp_path / "kept"))
@@ -305,7 +305,7 @@ def test_training_with_glibcs_default_allocation_is_bit_identical(tmp_path, voca
 def test_auto_precision_picks_bf16_only_where_torch_may_use_bf16_instructions(
     monkeypatch, capability, cpuinfo_bf16, bf16
 ):
-    from transformer import distributed
+    from transformer.training import distributed
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(distributed, "_cpu_has", lambda flag: cpuinfo_bf16 and flag == "avx512_bf16")
@@ -337,8 +337,8 @@ def uninterrupted(tmp_path_factory):
     """One reference run for the kill tests: (params, vocabulary, output directory)."""
     from conftest import write_toy_corpus
 
-    from transformer.tokenize import tokenize_corpus
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
 
     tmp = tmp_path_factory.mktemp("reference")
     raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
@@ -436,8 +436,8 @@ def sampled(tmp_path_factory):
     """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
     from conftest import write_toy_corpus
 
-    from transformer.tokenize import tokenize_corpus
-    from transformer.vocab import build_vocabs
+    from transformer.data.tokenize import tokenize_corpus
+    from transformer.data.vocab import build_vocabs
 
     tmp = tmp_path_factory.mktemp("sampled")
     raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
@@ -522,8 +522,8 @@ def test_resume_refuses_changed_data_vocabulary_or_model_shape_in_one_line(tmp_p
     """Each change is named in the one line that says the run starts afresh; nothing stale is continued."""
     import shutil
 
+    from transformer.data.vocab import build_vocabs, encode_corpus, load_vocabs
     from transformer.io import read_lines
-    from transformer.vocab import build_vocabs, encode_corpus, load_vocabs
 
     out, steps = tmp_path / "out", {"train.epochs": 1, "train.max_steps": 2}
     run([sys.executable] + train_cmd(write_params(tmp_path, **steps), vocab_dir, out), ROOT)
@@ -612,8 +612,8 @@ def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_i
 ):
     # The reads an accelerator would wait for, counted on the CPU: packing off, as the code runs there.
     # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
-    import transformer.train as train_module
-    from transformer import packing
+    import transformer.training.train as train_module
+    from transformer.kernels import packing
 
     monkeypatch.setattr(packing, "counts_on_host", lambda t: False)
     monkeypatch.setattr(train_module, "LOG_EVERY", 5)
@@ -698,15 +698,15 @@ def _validations(out: Path) -> list[dict[str, float]]:
     ],
 )
 def test_patience_is_spent_after_that_many_validations_without_a_higher_bleu(bleus, patience, spent):
-    from transformer.train import patience_spent
+    from transformer.training.train import patience_spent
 
     assert patience_spent(bleus, patience) is spent
 
 
 def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tmp_path, vocab_dir):
+    from transformer.decoding.translate import Translator
+    from transformer.evaluation.score import score_lines
     from transformer.io import read_lines
-    from transformer.score import score_lines
-    from transformer.translate import Translator
 
     params = write_params(tmp_path, **{"train.epochs": 6, "decode.max_len_extra": 20, "decode.batch_tokens": 150})
     run([sys.executable] + train_cmd(params, vocab_dir, tmp_path), ROOT)
@@ -797,7 +797,7 @@ def test_two_processes_stop_early_together(tmp_path, vocab_dir):
 def test_members_train_as_single_runs_of_their_seeds_and_a_new_member_keeps_the_trained_ones(tmp_path, vocab_dir):
     """Member k is the single run of seed train.seed + k, bit for bit; raising train.members trains the new
     members only; the model file holds them all and translates as the ensemble of its members' files."""
-    from transformer.translate import Translator
+    from transformer.decoding.translate import Translator
 
     common = {"train.epochs": 2}
     ens, alone = tmp_path / "ens", tmp_path / "alone"
@@ -880,8 +880,8 @@ class _Recorder:
 
 
 def test_the_report_counts_each_epochs_batch_shapes_and_padding_to_8_makes_fewer(tmp_path, vocab_dir):
-    from transformer.batching import ParallelCorpus, batch_shapes
-    from transformer.train import epoch_groups, train
+    from transformer.data.batching import ParallelCorpus, batch_shapes
+    from transformer.training.train import epoch_groups, train
 
     corpus = ParallelCorpus(vocab_dir / "train.pt")
     counts = {}
@@ -899,7 +899,7 @@ def test_the_report_counts_each_epochs_batch_shapes_and_padding_to_8_makes_fewer
 
 
 def _toy_batches(vocab_dir, multiple: int, count: int):
-    from transformer.batching import ParallelCorpus, token_batches
+    from transformer.data.batching import ParallelCorpus, token_batches
 
     corpus = ParallelCorpus(vocab_dir / "train.pt")
     return [
@@ -910,7 +910,7 @@ def _toy_batches(vocab_dir, multiple: int, count: int):
 def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
     """Model, generator and loss under torch.compile (aot_eager: the graphs dynamo captures, run without
     a C++ build), on batches of changing shapes, with partial R-Drop as the default recipe trains."""
-    from transformer.train import StepLoss, compiled
+    from transformer.training.train import StepLoss, compiled
 
     batches = _toy_batches(vocab_dir, 8, 3)
     assert len({b.src.shape for b in batches}) > 1
@@ -939,7 +939,7 @@ def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(
     masks and R-Drop's written-out loss must not break the graph at each call, nor each shape retrace."""
     import torch._dynamo.utils
 
-    import transformer.train as train_module
+    import transformer.training.train as train_module
 
     compiled = train_module.compiled
     monkeypatch.setattr(train_module, "compiled", lambda step: compiled(step, "aot_eager"))

@@ -13,10 +13,10 @@ from conftest import ROOT
 
 from transformer import checkpoints
 from transformer.config import load_params
+from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, WordVocab
+from transformer.decoding.translate import Translator, timed_translate
 from transformer.io import DataError
-from transformer.model import make_model
-from transformer.translate import Translator, timed_translate
-from transformer.vocab import BOS, EOS, PAD, SPECIALS, WordVocab
+from transformer.model.model import make_model
 
 SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
@@ -186,7 +186,7 @@ def test_a_timeout_stops_decoding_at_its_first_step_after_it(never_ending_transl
 
 
 def test_same_vocabulary_passes_the_check(translator, tmp_path):
-    from transformer.vocab import fingerprint, load_vocabs, save_vocabs
+    from transformer.data.vocab import fingerprint, load_vocabs, save_vocabs
 
     save_vocabs(tmp_path, *_vocabs())  # as build_vocab writes it and decode reads it back
     src, tgt = load_vocabs(tmp_path)
@@ -227,7 +227,7 @@ def _other_model_file(model_file: Path, path: Path, tgt=None, seed: int = 1) -> 
 
 
 def test_a_file_ensembled_with_itself_translates_as_the_file(model_file):
-    from transformer.search import Ensemble
+    from transformer.decoding.search import Ensemble
 
     alone = Translator(model_file, device="cpu")
     twice = Translator([model_file, model_file], device="cpu")
@@ -238,7 +238,7 @@ def test_a_file_ensembled_with_itself_translates_as_the_file(model_file):
 
 
 def test_an_ensemble_scores_by_the_mean_of_its_members_probabilities(model_file, tmp_path):
-    from transformer.search import beam_search_nbest
+    from transformer.decoding.search import beam_search_nbest
 
     other = _other_model_file(model_file, tmp_path / "other.pt")
     members = [Translator(f, device="cpu").model for f in (model_file, other)]
@@ -364,4 +364,4 @@ def test_importing_the_package_stays_light_and_translator_loads_on_first_use():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "transformer.translate"
+    assert out.stdout.strip() == "transformer.decoding.translate"

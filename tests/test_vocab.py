@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer import vocab as vocab_module
-from transformer.batching import ParallelCorpus
-from transformer.io import DataError
-from transformer.tokenize import JOINER
-from transformer.vocab import (
+from transformer.data import vocab as vocab_module
+from transformer.data.batching import ParallelCorpus
+from transformer.data.tokenize import JOINER
+from transformer.data.vocab import (
     BOS,
     EOS,
     PAD,
@@ -28,6 +27,7 @@ from transformer.vocab import (
     sample_corpus,
     vocab_from_state,
 )
+from transformer.io import DataError
 
 WORDS = "der die das ein eine Mann Frau Hund läuft spielt the a man woman dog runs plays football".split()
 
@@ -299,7 +299,7 @@ def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
     """Every rank segments the split itself: a new interpreter must cut it as this one does."""
     lines = _synthetic(200, seed=8)
     _in_a_fresh_process(
-        "import torch; from transformer.vocab import BpeVocab, sample_corpus; "
+        "import torch; from transformer.data.vocab import BpeVocab, sample_corpus; "
         "v = BpeVocab((d / 'bpe.model').read_bytes()); "
         "ids, off = sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'seed 4 epoch 2 tgt'); "
         "torch.save({'ids': ids, 'off': off}, d / 'out.pt')",

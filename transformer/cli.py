@@ -84,8 +84,8 @@ def translate(
     """Translates raw text, one sentence per line, to stdout: one line per sentence, or with
     --nbest > 1 or --scores one JSON object per hypothesis:
     {"line": <input line, from 1>, "rank": <from 1>, "score": <log P(translation | source)>, "translation": ...}."""
+    from transformer.decoding.translate import LongSourceWarning, Translator
     from transformer.io import decode_lines
-    from transformer.translate import LongSourceWarning, Translator
 
     name = getattr(input_file, "name", "<stdin>")
     lines = decode_lines(input_file.read(), name)
@@ -138,7 +138,7 @@ def translate(
 def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     """Scores translations as the score stage does and prints one JSON object:
     {<metric>: value, <metric>_signature: sacreBLEU's signature}."""
-    from transformer.score import score_files
+    from transformer.evaluation.score import score_files
 
     click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))
 
@@ -159,7 +159,7 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
 @stage
 def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
     """Exports a model file to an inference engine's format (CTranslate2)."""
-    from transformer.export import export_ctranslate2
+    from transformer.serving.export import export_ctranslate2
 
     export_ctranslate2(model_path, out, quantization)
     click.echo(f"{model_path}: {fmt} model ({quantization}) in {out}", err=True)
@@ -180,7 +180,7 @@ def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
 def promote(version: int, alias: str, params_path: Path) -> None:
     """Points models:/<export.registered_name>@<alias> at a registered VERSION of the model."""
     from transformer.config import load_params
-    from transformer.serving import promote as set_alias
+    from transformer.serving.serving import promote as set_alias
 
     name = load_params(params_path).export.registered_name
     set_alias(name, version, alias)

@@ -13,11 +13,11 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.config import ModelConfig, model_problems
-from transformer.dropout import Dropout
-from transformer.embeddings import Embeddings, PositionalEncoding
 from transformer.io import DataError
-from transformer.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
-from transformer.packing import Linear, Packing
+from transformer.kernels.dropout import Dropout
+from transformer.kernels.packing import Linear, Packing
+from transformer.model.embeddings import Embeddings, PositionalEncoding
+from transformer.model.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, copies: int = 1) -> torch.Tensor:
         """Decoder output states (B, T, d_model); the loss projects only non-pad positions.
 
-        A side that is mostly padding runs packed (transformer.packing): same result, less work.
+        A side that is mostly padding runs packed (transformer.kernels.packing): same result, less work.
         `copies` > 1 decodes the batch that many times over one encoding of src, copy after copy
         along the batch dimension, (copies * B, T, d_model): in training each copy draws its own
         decoder dropout and all share the encoder's."""

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from transformer.data.vocab import BOS, EOS, PAD, BpeVocab, sample_corpus
 from transformer.io import DataError
-from transformer.vocab import BOS, EOS, PAD, BpeVocab, sample_corpus
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
             ]
         )
     if not rows:
-        return [f"No {kind} figure is on record for this corpus and direction (transformer/anchors.yaml)."]
+        return [f"No {kind} figure is on record for this corpus and direction (transformer/evaluation/anchors.yaml)."]
     return _table(
         ["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"], rows
     )

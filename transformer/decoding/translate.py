@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
+from transformer.data.tokenize import Tokenizer, detokenize
+from transformer.data.vocab import BOS, EOS, PAD, fingerprint, model_vocabs
+from transformer.decoding.search import Ensemble, Hypothesis, beam_search_nbest
+from transformer.decoding.search import sample as draw_samples
 from transformer.io import DataError
-from transformer.model import load_members
-from transformer.search import Ensemble, Hypothesis, beam_search_nbest
-from transformer.search import sample as draw_samples
-from transformer.tokenize import Tokenizer, detokenize
-from transformer.vocab import BOS, EOS, PAD, fingerprint, model_vocabs
+from transformer.model.model import load_members
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Translator:
         return [hyps[0] for hyps in shaped] if nbest == 1 else shaped
 
     def tokenize(self, raw_lines: list[str]) -> list[str]:
-        """Raw lines split into the words the source vocabulary encodes (see transformer.tokenize)."""
+        """Raw lines split into the words the source vocabulary encodes (see transformer.data.tokenize)."""
         return list(Tokenizer(self.params["data"]["src_lang"]).pipe(raw_lines))
 
     def translate_tokenized(self, lines: list[str], **search) -> list[str]:

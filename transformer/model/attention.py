@@ -12,8 +12,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import transformer.dropout
-from transformer.packing import Linear, Packing
+import transformer.kernels.dropout
+from transformer.kernels.packing import Linear, Packing
 
 
 def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
@@ -131,7 +131,7 @@ class MultiHeadAttention(nn.Module):
             weights = scores.softmax(-1)
         if self.keep_weights:
             self.weights = weights
-        return transformer.dropout.dropout(weights, p) @ v
+        return transformer.kernels.dropout.dropout(weights, p) @ v
 
 
 _ROW = 16  # values in a row of _Softmax's float32 softmax, at least: an AVX-512 register of float32

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer import packing
+from transformer.kernels import packing
 
 _BLOCK = 1 << 18  # values (rows x V) in a block of R-Drop's loss on a CPU: its steps' intermediates then stay in cache
 # Logits (rows x V) above which the generator and the loss run fused, a chunk of rows at a time (_Fused):

@@ -30,8 +30,8 @@ from torch import nn
 
 from transformer import checkpoints
 from transformer.config import ADDED_TRAIN_KEYS
-from transformer.distributed import Dist, broadcast, check_same_run, rank_seed
-from transformer.schedule import rate
+from transformer.training.distributed import Dist, broadcast, check_same_run, rank_seed
+from transformer.training.schedule import rate
 
 BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members")  # never change the trained weights
 LENGTH = ("epochs", "max_steps")  # how far the run goes

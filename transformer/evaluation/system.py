@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from transformer.model import count_parameters, decoder_layers, make_model
+from transformer.model.model import count_parameters, decoder_layers, make_model
 
 
 def hardware() -> str:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from transformer import checkpoints
-from transformer.attention import attention_kernels
-from transformer.batching import (
+from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
+from transformer.data.batching import (
     Batch,
     ParallelCorpus,
     Prefetch,
@@ -30,18 +30,18 @@ from transformer.batching import (
     epoch_steps,
     token_batches,
 )
-from transformer.config import TRAIN_SECTIONS, Params, TrainConfig, flatten, training_params
-from transformer.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
+from transformer.data.vocab import EOS, PAD, load_vocabs, vocab_from_state
+from transformer.decoding.translate import search_batches, to_text
 from transformer.errors import DataError, TrainingError
+from transformer.evaluation.score import score_lines
 from transformer.io import read_lines, sha256_file, write_json, write_text
-from transformer.loss import batch_loss, token_loss
-from transformer.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
-from transformer.model import make_model
-from transformer.resume import Progress, patience_spent, resume
-from transformer.schedule import rate
-from transformer.score import score_lines
-from transformer.translate import search_batches, to_text
-from transformer.vocab import EOS, PAD, load_vocabs, vocab_from_state
+from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
+from transformer.model.attention import attention_kernels
+from transformer.model.model import make_model
+from transformer.training.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
+from transformer.training.loss import batch_loss, token_loss
+from transformer.training.resume import Progress, patience_spent, resume
+from transformer.training.schedule import rate
 
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
 RELEASE_EVERY = 200  # updates between hand-backs of freed CPU memory (release_freed_memory)

@@ -11,11 +11,11 @@ import numpy as np
 
 from transformer import checkpoints
 from transformer.config import CHOICES
-from transformer.embeddings import PositionalEncoding
+from transformer.data.vocab import BpeVocab, Vocab, vocab_from_state
 from transformer.errors import DataError
 from transformer.io import atomic_dir
-from transformer.model import decoder_layers
-from transformer.vocab import BpeVocab, Vocab, vocab_from_state
+from transformer.model.embeddings import PositionalEncoding
+from transformer.model.model import decoder_layers
 
 QUANTIZATIONS = CHOICES["export.quantization"]
 POSITIONS = 1024  # rows of the position table written out: CTranslate2's default max_input_length
@@ -98,7 +98,7 @@ def tokens(vocab: Vocab) -> list[str]:
 
 def source_tokens(vocab: Vocab, tokenized: str) -> list[str]:
     """A tokenized line as the token strings our encoder reads, </s> included."""
-    from transformer.vocab import EOS
+    from transformer.data.vocab import EOS
 
     names = tokens(vocab)
     return [names[i] for i in vocab.encode(tokenized) + [EOS]]

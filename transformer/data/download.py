@@ -208,7 +208,7 @@ def _gunzip(stream: gzip.GzipFile, name: str) -> bytes:
         raise DataError(f"{name}: truncated or corrupt gzip ({e})") from None
     if len(data) > MAX_BYTES:
         raise DataError(
-            f"{name}: decompresses to more than {MAX_BYTES:,} bytes (transformer.download.MAX_BYTES): "
+            f"{name}: decompresses to more than {MAX_BYTES:,} bytes (transformer.data.download.MAX_BYTES): "
             f"a decompression bomb, or not the file the registry means"
         )
     return data
@@ -240,6 +240,6 @@ def _check_member(archive: Path, info: tarfile.TarInfo, count: int) -> None:
     if too_big:
         raise DataError(
             f"{archive}: member '{info.name}' takes the archive past its caps ({MAX_BYTES:,} bytes a member, "
-            f"{MAX_ARCHIVE_BYTES:,} in all, {MAX_MEMBERS:,} members; transformer.download): "
+            f"{MAX_ARCHIVE_BYTES:,} in all, {MAX_MEMBERS:,} members; transformer.data.download): "
             f"a decompression bomb, or not the file the registry means"
         )

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
+from transformer.data.tokenize import JOINER
+from transformer.data.vocab import BOS, EOS, PAD, BpeVocab, Vocab, model_vocabs
+from transformer.decoding.search import greedy
 from transformer.io import DataError, atomic_dir, read_lines
-from transformer.model import Transformer
-from transformer.schedule import rate
-from transformer.search import greedy
-from transformer.tokenize import JOINER
-from transformer.vocab import BOS, EOS, PAD, BpeVocab, Vocab, model_vocabs
+from transformer.model.model import Transformer
+from transformer.training.schedule import rate
 
 SENTENCES = 3  # the first non-empty sentences of the source file are drawn
 WARMUPS = (2000, 4000, 8000)  # schedules drawn beside the params' own, for comparison

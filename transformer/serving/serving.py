@@ -23,8 +23,8 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
     """A list of sentences in, a list of translations out."""
 
     def load_context(self, context) -> None:
-        from transformer.translate import Translator
-        from transformer.vocab import load_vocabs
+        from transformer.data.vocab import load_vocabs
+        from transformer.decoding.translate import Translator
 
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from transformer.attention import MultiHeadAttention
-from transformer.dropout import Dropout
-from transformer.packing import Linear, Packing
+from transformer.kernels.dropout import Dropout
+from transformer.kernels.packing import Linear, Packing
+from transformer.model.attention import MultiHeadAttention
 
 Cache = dict[str, torch.Tensor]
 

@@ -1,0 +1,1 @@
+"""Evaluation: sacreBLEU scores, the reproduction report and the figures."""

@@ -1,0 +1,1 @@
+"""Training: the train stage's loop, loss, schedule, resume and processes."""

@@ -1,10 +1,18 @@
-"""params.yaml: one frozen dataclass per section, one strict loader."""
+"""params.yaml: one frozen dataclass per section, one strict loader.
+
+Every key is one line here: `name: type = param("its one-line meaning", rules...)`. The loader
+checks each value against its rules, docs/pipeline.md's tables are written from the meanings
+and rules (`python -m transformer.config`), and params.yaml's comment on the key opens with the
+meaning (tests/test_param_docs.py holds both). Rules that tie keys together are in
+cross_key_problems and model_problems.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,75 +26,162 @@ from transformer.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Rule:
+    """What one value must be: ok(value), else the error says `why`; `shown` is its docs wording."""
+
+    ok: Callable[[Any], bool]
+    why: str
+    shown: str
+    choices: tuple[str, ...] = ()
+
+
+def _items(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def one_of(*choices: str) -> Rule:
+    """Each value (of a list, each item) one of `choices`."""
+    shown = "one of " + ", ".join(f"`{c}`" for c in choices)
+    return Rule(lambda v: all(x in choices for x in _items(v)), f"is not one of {', '.join(choices)}", shown, choices)
+
+
+def in_range(low: float, high: float, brackets: str = "[]") -> Rule:
+    """low <= value <= high, each end open where `brackets` says so: "[)" is low <= value < high."""
+    shown = f"{brackets[0]}{low}, {high}{brackets[1]}"
+    above = (lambda v: v >= low) if brackets[0] == "[" else (lambda v: v > low)
+    below = (lambda v: v <= high) if brackets[1] == "]" else (lambda v: v < high)
+    return Rule(lambda v: above(v) and below(v), f"must be in {shown}", f"in {shown}")  # NaN fails both
+
+
+def matching(pattern: str, why: str, shown: str) -> Rule:
+    """Each value (of a list, each item) matching the regular expression `pattern` whole."""
+    compiled = re.compile(pattern)
+    return Rule(lambda v: all(compiled.fullmatch(x) for x in _items(v)), why, shown)
+
+
+POSITIVE = Rule(lambda v: v > 0, "must be > 0", "> 0")  # also refuses NaN
+NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0", "≥ 0")
+FRACTION = in_range(0, 1, "[)")
+MAX_LAYERS = 64  # model.N and model.decoder_N, also bounding what a model file may ask us to build
+FILE_NAME = matching(  # no separator, no '..', no option
+    r"[A-Za-z0-9_][A-Za-z0-9_.-]*",
+    "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'",
+    "a file name (letters, digits, `_ . -`)",
+)
+NOT_EMPTY = Rule(lambda v: len(v) > 0, "must name at least one test set", "at least one")
+METRICS = {
+    "bleu": "BLEU",
+    "bleu_tok_lc": "BLEU tok-lc",
+    "chrf": "chrF2",
+    "ter": "TER",
+}  # score.metrics: name in reports
+
+
+def param(meaning: str, *rules: Rule, older_runs: Any = dataclasses.MISSING) -> Any:
+    """A params.yaml key: its one-line meaning and the rules its value must pass. `older_runs`, for
+    a train key added after checkpoints were first written, is the value that trains as those
+    checkpoints' runs did, so a run written before the key resumes, or joins an ensemble, under it."""
+    return dataclasses.field(metadata={"meaning": meaning, "rules": rules, "older_runs": older_runs})
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    corpus: str
-    src_lang: str
-    tgt_lang: str
-    registry: str
-    valid: str
+    corpus: str = param("the corpus, a name in `data.registry`", FILE_NAME)
+    src_lang: str = param("the source language", FILE_NAME)
+    tgt_lang: str = param("the target language; swap it with `src_lang` for the other direction", FILE_NAME)
+    registry: str = param("the corpus registry (YAML): each split's languages, sources and their sha256")
+    valid: str = param("the split validated on during training", FILE_NAME)
 
 
 @dataclass(frozen=True)
 class TokenizeConfig:
-    max_len: int
+    max_len: int = param("training pairs with a side longer than this many tokens are dropped", POSITIVE)
 
 
 @dataclass(frozen=True)
 class VocabConfig:
-    kind: str
-    size: int
-    min_freq: int
-    seed: int  # bpe: draws the sample of training lines sentencepiece learns from (beyond vocab.SAMPLE)
+    kind: str = param(
+        "`word`: a vocabulary a language | `bpe`: one joint sentencepiece BPE vocabulary, the paper's (§5.1)",
+        one_of("word", "bpe"),
+    )
+    size: int = param("`bpe` only: pieces in the joint vocabulary", POSITIVE)
+    min_freq: int = param("`word` only: rarer words become `<unk>`", POSITIVE)
+    seed: int = param("`bpe` only: draws the 5M training lines BPE is learned from, where there are more", NON_NEGATIVE)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    N: int  # the encoder's layers, and the decoder's unless decoder_N
-    decoder_N: int  # the decoder's layers; 0: N (the paper's)
-    d_model: int
-    d_ff: int
-    h: int
-    dropout: float
-    attn_dropout: float  # on attention weights (the Annotated Transformer's; not in the paper)
-    ff_dropout: float  # inside the feed-forward layer, after the ReLU (likewise)
-    word_dropout: float  # chance of zeroing each source token's embedding in training
-    norm: str
-    tie_embeddings: bool
+    N: int = param(
+        "layers of the encoder, and of the decoder unless `decoder_N` (§3.1; the paper: 6)", in_range(1, MAX_LAYERS)
+    )
+    decoder_N: int = param(
+        "layers of the decoder; 0: `N`, equal stacks as in the paper (§3.1)", in_range(0, MAX_LAYERS)
+    )
+    d_model: int = param("width of embeddings and sub-layer outputs (§3.1; 512); even, and divisible by `h`", POSITIVE)
+    d_ff: int = param("inner width of the feed-forward layers (§3.3; 2048)", POSITIVE)
+    h: int = param("attention heads, each `d_model / h` wide (§3.2.2; 8)", POSITIVE)
+    dropout: float = param("P_drop on every sub-layer's output and on the embedding sums (§5.4; 0.1)", FRACTION)
+    attn_dropout: float = param(
+        "dropout on attention weights (the Annotated Transformer's; not in the paper)", FRACTION
+    )
+    ff_dropout: float = param("dropout inside the feed-forward layer, after the ReLU (likewise)", FRACTION)
+    word_dropout: float = param("chance of zeroing each source token's embedding in training; 0: off", FRACTION)
+    norm: str = param(
+        "`post`: LayerNorm(x + Sublayer(x)), the paper's (§3.1) | `pre`: the Annotated Transformer's",
+        one_of("post", "pre"),
+    )
+    tie_embeddings: bool = param("source, target and pre-softmax weights share one matrix (§3.4); needs `bpe`")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    nproc: int
-    nnodes: int
-    seed: int
-    members: int  # models trained, member k with seed + k, and searched as one ensemble; 1: a single model
-    max_tokens: int
-    pad_multiple: int  # each batch side padded to a multiple of this many tokens; 1: to its longest line
-    accum: int
-    epochs: int
-    factor: float
-    warmup: int
-    cooldown: float
-    label_smoothing: float
-    weight_decay: (
-        float  # AdamW's decoupled decay of weight matrices and embeddings, per unit of rate; 0: the paper's Adam
+    nproc: int = param("processes per node (`torchrun --nproc-per-node`), one per GPU", POSITIVE)
+    nnodes: int = param("nodes (`torchrun --nnodes`)", POSITIVE)
+    seed: int = param("seeds initial weights, batch order, dropout masks and BPE-dropout")
+    members: int = param("models trained, member k with seed `seed + k`, searched as one ensemble", POSITIVE)
+    max_tokens: int = param("padded tokens a side per process and micro-batch (§5.1: about 25,000 an update)", POSITIVE)
+    pad_multiple: int = param(
+        "batch sides padded to a multiple of this (8: fewer shapes, compile needs none); 1: off",
+        POSITIVE,
+        older_runs=1,
     )
-    bpe_dropout: float  # probability of skipping each BPE merge when segmenting the training text; 0: fixed ids
-    smoothing_zeroes_pad: bool  # true: no smoothing mass on <blank> (the Annotated Transformer's)
-    rdrop: float  # R-Drop's alpha: the weight of the KL term between two dropout passes; 0: off (one pass)
-    rdrop_from: float  # the fraction of the planned updates after which R-Drop starts; 0: from the first update
-    rdrop_share: float  # the share of each micro-batch's sentences that R-Drop passes twice, drawn per batch; 1: all
-    rdrop_shared_encoder: (
-        bool  # true: R-Drop's two passes share one encoder pass and differ in the decoder's dropout alone
+    accum: int = param("micro-batches per update", POSITIVE)
+    epochs: int = param("passes over the training pairs", POSITIVE)
+    factor: float = param("lrate = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) (§5.3; 1)", POSITIVE)
+    warmup: int = param("updates over which lrate rises linearly (§5.3; 4000)", POSITIVE)
+    cooldown: float = param("last fraction of the updates, lrate falling linearly to 0; 0: none", FRACTION)
+    label_smoothing: float = param("ε_ls (§5.4; 0.1)", FRACTION)
+    weight_decay: float = param(
+        "AdamW's decay of weight matrices and embeddings; 0: the paper's Adam (§5.3)", NON_NEGATIVE
     )
-    precision: str
-    compile: bool
-    ddp_bf16_grads: bool  # under DDP, gradients all-reduced in bf16 (half the bytes, rounded); false: fp32
-    save_every: int
-    keep: int
-    max_steps: int
-    eval_every: int  # updates between validations (loss and greedy BLEU) besides epoch ends; 0: epoch ends only
-    patience: int  # stop after this many validations without a higher val BLEU; 0: never
+    bpe_dropout: float = param(
+        "chance of skipping each BPE merge in the training text, per epoch; 0: fixed segmentation", FRACTION
+    )
+    smoothing_zeroes_pad: bool = param("`true`: no smoothing mass on `<blank>` (the Annotated Transformer's)")
+    rdrop: float = param("R-Drop's α, the weight of the KL between two dropout passes; 0: off", NON_NEGATIVE)
+    rdrop_from: float = param("fraction of the planned updates after which R-Drop starts; 0: from the first", FRACTION)
+    rdrop_share: float = param(
+        "share of each micro-batch's sentences R-Drop passes twice, drawn per batch; 1: all", in_range(0, 1, "(]")
+    )
+    rdrop_shared_encoder: bool = param("`true`: one encoder pass for both R-Drop passes")
+    precision: str = param(
+        "`auto`: bf16 where the hardware computes it natively, else fp32 (docs/scale.md)",
+        one_of("auto", "fp32", "bf16"),
+    )
+    compile: bool = param("`torch.compile` the model, its generator and the loss (every batch size symbolic)")
+    ddp_bf16_grads: bool = param(
+        "several processes: all-reduce gradients in bf16, half the bytes but rounded; `false`: fp32",
+        older_runs=False,
+    )
+    save_every: int = param("updates between mid-epoch checkpoints; 0: at epoch ends only", NON_NEGATIVE)
+    keep: int = param("checkpoints kept: the last ones, and with `average.select: best` its candidates", POSITIVE)
+    max_steps: int = param(
+        "stop after this many updates; 0: run every epoch (the paper: 100k base, §5.2)", NON_NEGATIVE
+    )
+    eval_every: int = param(
+        "updates between validations (loss, greedy val BLEU) besides epoch ends; 0: none", NON_NEGATIVE
+    )
+    patience: int = param("stop after this many validations without a higher val BLEU; 0: never", NON_NEGATIVE)
 
     def member_seeds(self) -> list[int]:
         """The seeds of the models trained: member k's is seed + k."""
@@ -95,33 +190,56 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AverageConfig:
-    last_k: int
-    select: str  # last: the last last_k checkpoints | best: the last_k with the highest val BLEU
+    last_k: int = param("checkpoints averaged (§6.1: 5); with `select: last`, at most `train.keep`", POSITIVE)
+    select: str = param(
+        "`last`: the last `last_k`, as the paper (§6.1) | `best`: the `last_k` of highest val BLEU",
+        one_of("last", "best"),
+    )
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    beam: int
-    alpha: float
-    max_len_extra: int
-    batch_tokens: int
-    testsets: tuple[str, ...]
+    beam: int = param("beam size (§6.1: 4); 1: greedy", POSITIVE)
+    alpha: float = param("GNMT length penalty ((5 + |Y|) / 6)^α (§6.1: 0.6)", NON_NEGATIVE)
+    max_len_extra: int = param("an output is at most its source's length plus this (§6.1: 50)", NON_NEGATIVE)
+    batch_tokens: int = param("source tokens × beam per batch: memory and speed", POSITIVE)
+    testsets: tuple[str, ...] = param(
+        "splits decoded and scored, a `decode@<testset>` stage each", NOT_EMPTY, FILE_NAME
+    )
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    metrics: tuple[str, ...]
+    metrics: tuple[str, ...] = param(
+        "scores: sacreBLEU's `bleu`, `bleu_tok_lc` (tokenized, lowercased), `chrf` (chrF2), `ter`",
+        one_of(*METRICS),
+    )
 
 
 @dataclass(frozen=True)
 class ReportConfig:
-    label: str
+    label: str = param(
+        "names this recipe's section of `reports/reproduction.md`; empty for the default",
+        matching(  # it becomes part of a Markdown heading and an HTML comment
+            r"[A-Za-z0-9_.-]*", "may hold only letters, digits, '_', '.' and '-'", "letters, digits, `_ . -`"
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    registered_name: str  # MLflow model registry name
-    quantization: str  # the CTranslate2 export's weights; none: float32
+    registered_name: str = param(
+        "the model's name in MLflow's model registry",
+        matching(
+            r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+            "must be letters, digits, '_', '.' or '-', starting with a letter or digit",
+            "letters, digits, `_ . -`, starting with a letter or digit",
+        ),
+    )
+    quantization: str = param(
+        "the CTranslate2 model's weights; `none`: float32",
+        one_of("none", "int8", "int8_float32", "int16", "float16", "bfloat16"),
+    )
 
 
 @dataclass(frozen=True)
@@ -149,55 +267,20 @@ class Params:
 SECTIONS = tuple(f.name for f in dataclasses.fields(Params))
 TRAIN_SECTIONS = ("data", "tokenize", "vocab", "model", "train")  # what a trained model depends on
 _SECTION_TYPES = typing.get_type_hints(Params)
-METRICS = {
-    "bleu": "BLEU",
-    "bleu_tok_lc": "BLEU tok-lc",
-    "chrf": "chrF2",
-    "ter": "TER",
-}  # score.metrics: name in reports
-
-CHOICES = {
-    "vocab.kind": ("word", "bpe"),
-    "train.precision": ("auto", "fp32", "bf16"),
-    "average.select": ("last", "best"),
-    "score.metrics": tuple(METRICS),
-    "export.quantization": ("none", "int8", "int8_float32", "int16", "float16", "bfloat16"),
+CHOICES = {  # "section.key": the values it may take, for click options that take one of them
+    f"{s}.{f.name}": rule.choices
+    for s in SECTIONS
+    for f in dataclasses.fields(_SECTION_TYPES[s])
+    for rule in f.metadata["rules"]
+    if rule.choices
 }
-POSITIVE = {
-    "tokenize.max_len",
-    "vocab.size",
-    "vocab.min_freq",
-    "train.nproc",
-    "train.nnodes",
-    "train.members",
-    "train.max_tokens",
-    "train.pad_multiple",
-    "train.accum",
-    "train.epochs",
-    "train.factor",
-    "train.warmup",
-    "train.keep",
-    "average.last_k",
-    "decode.beam",
-    "decode.batch_tokens",
+# train keys added since checkpoints were first written, with the value that trains as those
+# checkpoints' runs did (param's older_runs).
+ADDED_TRAIN_KEYS = {
+    f.name: f.metadata["older_runs"]
+    for f in dataclasses.fields(TrainConfig)
+    if f.metadata["older_runs"] is not dataclasses.MISSING
 }
-NON_NEGATIVE = {
-    "vocab.seed",
-    "train.save_every",
-    "train.max_steps",
-    "train.eval_every",
-    "train.patience",
-    "train.rdrop",
-    "train.weight_decay",
-    "decode.max_len_extra",
-    "decode.alpha",
-}
-FRACTIONS = {"train.label_smoothing", "train.cooldown", "train.bpe_dropout", "train.rdrop_from"}  # in [0, 1)
-MAX_LAYERS = 64  # model.N and model.decoder_N, also bounding what a model file may ask us to build
-REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-LABEL = re.compile(r"[A-Za-z0-9_.-]*")  # it becomes part of a Markdown heading and an HTML comment
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option
-PATH_NAMES = ("data.corpus", "data.src_lang", "data.tgt_lang", "data.valid", "decode.testsets")
 
 
 def load_params(path: Path | str = "params.yaml") -> Params:
@@ -221,9 +304,14 @@ def params_from_dict(raw: Any, source: str = "params") -> Params:
     for name in SECTIONS:
         if name not in raw:
             raise ConfigError(f"{source}: missing section '{name}'")
-    sections = {name: _section(name, raw[name], source) for name in SECTIONS}
-    params = Params(**sections)
-    _check_values(params, source)
+    params = Params(**{name: _section(name, raw[name], source) for name in SECTIONS})
+    values = params.to_dict()
+    problems = [(f"{s}.{k}", why) for s in SECTIONS for k, why in _section_problems(s, values[s])]
+    problems += cross_key_problems(params)
+    if problems:
+        key, why = problems[0]
+        section, name = key.split(".")
+        raise ConfigError(f"{source}: '{key}' = {values[section][name]!r} {why}")
     return params
 
 
@@ -264,77 +352,58 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
     return float(value) if hint is float else value
 
 
-def _check_values(p: Params, source: str) -> None:
-    flat = {f"{s}.{k}": v for s, d in p.to_dict().items() for k, v in d.items()}
+def _section_problems(section: str, values: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, why) for each value of a section that breaks one of its field's rules."""
+    if section == "model":
+        return model_problems(values)
+    return _field_problems(_SECTION_TYPES[section], values)
 
-    def fail(key: str, why: str) -> None:
-        raise ConfigError(f"{source}: '{key}' = {flat[key]!r} {why}")
 
-    for key, allowed in CHOICES.items():
-        values = flat[key] if isinstance(flat[key], list) else [flat[key]]
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            fail(key, f"is not one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if not flat[key] > 0:  # also refuses NaN
-            fail(key, "must be > 0")
-    for key in NON_NEGATIVE:
-        if not flat[key] >= 0:
-            fail(key, "must be >= 0")
-    for key in FRACTIONS:
-        if not 0 <= flat[key] < 1:
-            fail(key, "must be in [0, 1)")
-    for key, why in model_problems(dataclasses.asdict(p.model))[:1]:
-        fail(f"model.{key}", why)
-    if p.model.tie_embeddings and p.vocab.kind != "bpe":
-        fail("model.tie_embeddings", "needs a joint vocabulary (vocab.kind: bpe)")
-    if p.train.rdrop and not (p.model.dropout or p.model.attn_dropout or p.model.ff_dropout):
-        fail(
+def _field_problems(cls: type, values: dict[str, Any]) -> list[tuple[str, str]]:
+    fields = dataclasses.fields(cls)
+    return [(f.name, rule.why) for f in fields for rule in f.metadata["rules"] if not rule.ok(values[f.name])]
+
+
+def cross_key_problems(p: Params) -> list[tuple[str, str]]:
+    """(key, why) for each rule that ties a key to another."""
+    m, t = p.model, p.train
+    no_dropout = not (m.dropout or m.attn_dropout or m.ff_dropout)
+    checks = [
+        (
+            m.tie_embeddings and p.vocab.kind != "bpe",
+            "model.tie_embeddings",
+            "needs a joint vocabulary (vocab.kind: bpe)",
+        ),
+        (
+            t.rdrop and no_dropout,
             "train.rdrop",
             "needs dropout (model.dropout, attn_dropout or ff_dropout > 0): without it both passes are the same",
-        )
-    if not 0 < p.train.rdrop_share <= 1:
-        fail("train.rdrop_share", "must be in (0, 1]")
-    if p.train.rdrop_share < 1 and p.train.rdrop_shared_encoder:
-        fail(
+        ),
+        (
+            t.rdrop_share < 1 and t.rdrop_shared_encoder,
             "train.rdrop_share",
             "< 1 needs train.rdrop_shared_encoder: false (the shared encoder passes every sentence twice)",
-        )
-    if p.train.bpe_dropout and p.vocab.kind != "bpe":
-        fail("train.bpe_dropout", "needs vocab.kind: bpe (a word vocabulary has one segmentation)")
-    if p.data.src_lang == p.data.tgt_lang:
-        fail("data.tgt_lang", "equals data.src_lang")
-    if not p.decode.testsets:
-        fail("decode.testsets", "must name at least one test set")
-    if not LABEL.fullmatch(p.report.label):
-        fail("report.label", "may hold only letters, digits, '_', '.' and '-'")
-    if not REGISTERED_NAME.fullmatch(p.export.registered_name):
-        fail("export.registered_name", "must be letters, digits, '_', '.' or '-', starting with a letter or digit")
-    for key in PATH_NAMES:
-        names = flat[key] if isinstance(flat[key], list) else [flat[key]]
-        if not all(NAME.fullmatch(name) for name in names):
-            fail(
-                key, "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'"
-            )
-    if p.average.select == "last" and p.average.last_k > p.train.keep:  # with best, training keeps the best last_k
-        fail("average.last_k", f"exceeds train.keep = {p.train.keep} (not enough checkpoints are kept)")
+        ),
+        (
+            t.bpe_dropout and p.vocab.kind != "bpe",
+            "train.bpe_dropout",
+            "needs vocab.kind: bpe (a word vocabulary has one segmentation)",
+        ),
+        (p.data.src_lang == p.data.tgt_lang, "data.tgt_lang", "equals data.src_lang"),
+        (
+            p.average.select == "last" and p.average.last_k > t.keep,  # with best, training keeps the best last_k
+            "average.last_k",
+            f"exceeds train.keep = {t.keep} (not enough checkpoints are kept)",
+        ),
+    ]
+    return [(key, why) for failed, key, why in checks if failed]
 
 
 def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
     """(key, why) for each model hyperparameter out of range, in a `model` section or in a model
     file's config (which adds src_vocab, tgt_vocab and pad): the one place these ranges live."""
-    problems = []
-    for key, least in (("N", 1), ("decoder_N", 0)):  # decoder_N 0: N
-        if not least <= m[key] <= MAX_LAYERS:
-            problems.append((key, f"must be in [{least}, {MAX_LAYERS}]"))
-    for key in ("d_model", "d_ff", "h", "src_vocab", "tgt_vocab"):
-        if key in m and not m[key] > 0:  # also refuses NaN
-            problems.append((key, "must be > 0"))
-    for key in ("dropout", "attn_dropout", "ff_dropout", "word_dropout"):
-        if not 0 <= m[key] < 1:
-            problems.append((key, "must be in [0, 1)"))
-    if m["norm"] not in ("post", "pre"):
-        problems.append(("norm", "is not one of post, pre"))
+    problems = _field_problems(ModelConfig, m)
+    problems += [(key, POSITIVE.why) for key in ("src_vocab", "tgt_vocab") if key in m and not POSITIVE.ok(m[key])]
     if m["h"] > 0 and m["d_model"] % m["h"]:
         problems.append(("d_model", f"is not divisible by model.h = {m['h']}"))
     if m["d_model"] % 2:
@@ -342,11 +411,6 @@ def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
     if "pad" in m and not 0 <= m["pad"] < min(m["src_vocab"], m["tgt_vocab"]):
         problems.append(("pad", "must be a token id of both vocabularies"))
     return problems
-
-
-# train keys added since checkpoints were first written, with the value that trains as those
-# checkpoints' runs did: a run written before a key resumes, or joins an ensemble, under it.
-ADDED_TRAIN_KEYS = {"ddp_bf16_grads": False, "pad_multiple": 1}
 
 
 def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -360,3 +424,42 @@ def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 def flatten(params: Params) -> dict[str, Any]:
     """'section.key' -> value, for MLflow."""
     return {f"{s}.{k}": v for s, d in params.to_dict().items() for k, v in d.items()}
+
+
+_TYPE_WORDS = {int: "integer", float: "number", bool: "`true` or `false`", str: "text", tuple[str, ...]: "list of text"}
+
+
+def param_tables(defaults: dict[str, dict[str, Any]]) -> str:
+    """docs/pipeline.md's table of each section: every key's meaning, the values it may take,
+    and its default (`defaults`, params.yaml's values)."""
+    lines = []
+    for section in SECTIONS:
+        lines += [f"### {section}", "", "| key | what it does | values | default |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(_SECTION_TYPES[section])
+        for f in dataclasses.fields(_SECTION_TYPES[section]):
+            values = ", ".join([_TYPE_WORDS[hints[f.name]]] + [rule.shown for rule in f.metadata["rules"]])
+            cells = [f"`{f.name}`", f.metadata["meaning"], values, f"`{_yaml(defaults[section][f.name])}`"]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _yaml(value: Any) -> str:
+    """A value as params.yaml writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return f"[{', '.join(value)}]"
+    return str(value) if value != "" else '""'
+
+
+def write_param_docs(page: Path = Path("docs/pipeline.md"), params: Path = Path("params.yaml")) -> None:
+    """Rewrites the page's param tables, from the first section's heading up to the next `## ` heading."""
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f"\n### {SECTIONS[0]}\n") + 1
+    end = text.index("\n## ", start) + 1
+    page.write_text(text[:start] + param_tables(load_params(params).to_dict()) + text[end:], encoding="utf-8")
+
+
+if __name__ == "__main__":  # python -m transformer.config, from the repository root
+    write_param_docs()

@@ -121,7 +121,7 @@ def beam_search(
     """The best hypothesis of each sentence by log P / lp(length); beam 1 is greedy."""
     if beam == 1:
         return greedy(model, src, max_len, bos, eos)
-    return [max(hyps, key=lambda h: h[0])[2] for hyps in _beam(model, src, beam, alpha, max_len, bos, eos)]
+    return [max(hyps, key=lambda h: h[0])[2] for hyps in _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos)]
 
 
 def beam_search_nbest(
@@ -132,13 +132,13 @@ def beam_search_nbest(
         raise ValueError(f"nbest = {nbest} must be between 1 and the beam size ({beam})")
     if beam == 1:
         return [[h] for h in one_path(model, src, max_len, bos, eos, lambda log_probs: log_probs.argmax(-1))]
-    finished = _beam(model, src, beam, alpha, max_len, bos, eos)
+    finished = _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos)
     return [[Hypothesis(seq, raw) for _, raw, seq in sorted(hyps, key=lambda h: -h[0])[:nbest]] for hyps in finished]
 
 
 @torch.no_grad()
 def _beam(
-    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int
+    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, *, bos: int, eos: int
 ) -> list[list[tuple]]:
     """Batched beam search. Each step expands every live hypothesis, keeps the 2K best
     continuations per sentence, finishes those ending in EOS among the top K, and carries
@@ -158,14 +158,14 @@ def _beam(
         top, index = (scores[:, :, None] + log_probs).view(n, K * V).topk(min(2 * K, K * V), dim=1)  # (n, 2K)
         origin, token = index // V, index % V
         is_eos = token == eos
-        _finish_eos(finished, alive, tokens, top, origin, is_eos, K, t, alpha)
+        _finish_eos(finished, alive, tokens, top=top, origin=origin, is_eos=is_eos, K=K, t=t, alpha=alpha)
         # The K best continuations that do not end here; EOS candidates sort last.
         rank = torch.arange(top.size(1), device=device).expand_as(top) + is_eos * top.size(1)
         pick = rank.argsort(dim=1)[:, :K]  # (n, K)
         scores, origin, token = top.gather(1, pick), origin.gather(1, pick), token.gather(1, pick)
         rows = (torch.arange(n, device=device)[:, None] * K + origin).flatten()
         tokens = torch.cat([tokens[rows], token.flatten()[:, None]], 1)
-        done = _finish_long(finished, alive, tokens, scores, max_len, K, t, alpha)
+        done = _finish_long(finished, alive, tokens, scores=scores, max_len=max_len, K=K, t=t, alpha=alpha)
         keep = (~done).nonzero().flatten()
         if len(keep) == 0:
             break
@@ -175,7 +175,7 @@ def _beam(
     return finished
 
 
-def _finish_eos(finished, alive, tokens, top, origin, is_eos, K, t, alpha) -> None:
+def _finish_eos(finished, alive, tokens, *, top, origin, is_eos, K, t, alpha) -> None:
     """Hypotheses whose EOS ranks among the top K of their sentence are complete."""
     for i, j in (is_eos[:, :K] & torch.isfinite(top[:, :K])).nonzero().tolist():
         hyps = finished[alive[i]]
@@ -184,7 +184,7 @@ def _finish_eos(finished, alive, tokens, top, origin, is_eos, K, t, alpha) -> No
             hyps.append((float(top[i, j]) / length_penalty(t, alpha), float(top[i, j]), seq))
 
 
-def _finish_long(finished, alive, tokens, scores, max_len, K, t, alpha) -> torch.Tensor:
+def _finish_long(finished, alive, tokens, *, scores, max_len, K, t, alpha) -> torch.Tensor:
     """Marks sentences done: K finished hypotheses, or max length reached (live ones are finished as they are)."""
     done = torch.tensor([len(finished[s]) >= K for s in alive.tolist()], device=alive.device)
     at_limit = (max_len[alive] <= t) & ~done

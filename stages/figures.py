@@ -31,7 +31,8 @@ def main(params_path: Path, model_path: Path, source: Path, steps: Path, epochs:
     params = load_params(params_path)
     model, ckpt = load_model(model_path)
     t = params.train
-    paths = draw_figures(model, ckpt, source, steps, epochs, out, params.model.d_model, t.factor, t.warmup, t.cooldown)
+    schedule = {"d_model": params.model.d_model, "factor": t.factor, "warmup": t.warmup, "cooldown": t.cooldown}
+    paths = draw_figures(model, ckpt, source, steps, epochs, out, **schedule)
     click.echo(f"drew {len(paths)} figures into {out}", err=True)
     if track:
         from transformer.tracking import log_to_run

@@ -107,6 +107,7 @@ def draw_figures(
     steps_tsv: Path,
     epochs_tsv: Path,
     out_dir: Path,
+    *,
     d_model: int,
     factor: float,
     warmup: int,
@@ -125,41 +126,34 @@ def draw_figures(
     steps, epochs = read_tsv(steps_tsv), read_tsv(epochs_tsv)
     with atomic_dir(out_dir) as tmp:
         for n, m in enumerate(maps, 1):
-            heatmaps(
-                m.encoder,
-                m.src,
-                m.src,
-                f"encoder self-attention, last layer, sentence {n}",
-                "key (source)",
-                "query (source)",
-                tmp / f"attention_{n}_encoder.png",
-            )
-            heatmaps(
-                m.decoder,
-                m.outputs,
-                m.inputs,
-                f"decoder self-attention, last layer, sentence {n}",
-                "key (decoder input)",
-                "query (predicting)",
-                tmp / f"attention_{n}_decoder.png",
-            )
-            heatmaps(
-                m.source,
-                m.outputs,
-                m.src,
-                f"decoder-source attention, last layer, sentence {n}",
-                "key (source)",
-                "query (predicting)",
-                tmp / f"attention_{n}_source.png",
-            )
+            sentence_heatmaps(m, n, tmp)
         lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png", cooldown)
         loss_figure(steps, epochs, tmp / "loss.png")
         names = sorted(p.name for p in tmp.iterdir())
     return [out_dir / name for name in names]
 
 
+def sentence_heatmaps(m: AttentionMaps, n: int, out_dir: Path) -> None:
+    """Sentence n's three maps, a PNG each: encoder self-, decoder self- and decoder-source attention."""
+    maps = {  # name: weights, their rows and columns, what they are, the axes
+        "encoder": (m.encoder, m.src, m.src, "encoder self-attention", "key (source)", "query (source)"),
+        "decoder": (
+            m.decoder,
+            m.outputs,
+            m.inputs,
+            "decoder self-attention",
+            "key (decoder input)",
+            "query (predicting)",
+        ),
+        "source": (m.source, m.outputs, m.src, "decoder-source attention", "key (source)", "query (predicting)"),
+    }
+    for name, (weights, rows, cols, what, xlabel, ylabel) in maps.items():
+        title = f"{what}, last layer, sentence {n}"
+        heatmaps(weights, rows, cols, out_dir / f"attention_{n}_{name}.png", title=title, xlabel=xlabel, ylabel=ylabel)
+
+
 def heatmaps(
-    weights: torch.Tensor, rows: list[str], cols: list[str], title: str, xlabel: str, ylabel: str, path: Path
+    weights: torch.Tensor, rows: list[str], cols: list[str], path: Path, *, title: str, xlabel: str, ylabel: str
 ) -> None:
     """One heatmap per head, in a grid of up to 4 columns, tokens on both axes."""
     from matplotlib.figure import Figure

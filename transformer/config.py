@@ -1,10 +1,11 @@
 """params.yaml: one frozen dataclass per section, one strict loader.
 
-Every key is one line here: `name: type = param("its one-line meaning", rules...)`. The loader
-checks each value against its rules, docs/pipeline.md's tables are written from the meanings
-and rules (`python -m transformer.config`), and params.yaml's comment on the key opens with the
-meaning (tests/test_param_docs.py holds both). Rules that tie keys together are in
-cross_key_problems and model_problems.
+Each key is one field here, `name: type = param("its one-line meaning", rules...)`: the one place
+its type, the values it may take and its meaning are written. The loader checks each value
+against its field's rules; rules that tie keys together are cross_key_problems and model_problems.
+To add a key: its field here, and its `key: value  # meaning` line in params.yaml (the comment
+opens with the meaning; after '; ' it may say why the value), then `python -m transformer.config`
+rewrites docs/pipeline.md's tables. tests/test_param_docs.py holds params.yaml and the docs to it.
 """
 
 from __future__ import annotations
@@ -53,28 +54,24 @@ def in_range(low: float, high: float, brackets: str = "[]") -> Rule:
     return Rule(lambda v: above(v) and below(v), f"must be in {shown}", f"in {shown}")  # NaN fails both
 
 
-def matching(pattern: str, why: str, shown: str) -> Rule:
-    """Each value (of a list, each item) matching the regular expression `pattern` whole."""
-    compiled = re.compile(pattern)
-    return Rule(lambda v: all(compiled.fullmatch(x) for x in _items(v)), why, shown)
+def matching(pattern: re.Pattern, why: str, shown: str) -> Rule:
+    """Each value (of a list, each item) matching `pattern` whole."""
+    return Rule(lambda v: all(pattern.fullmatch(x) for x in _items(v)), why, shown)
 
 
 POSITIVE = Rule(lambda v: v > 0, "must be > 0", "> 0")  # also refuses NaN
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0", "≥ 0")
 FRACTION = in_range(0, 1, "[)")
 MAX_LAYERS = 64  # model.N and model.decoder_N, also bounding what a model file may ask us to build
-FILE_NAME = matching(  # no separator, no '..', no option
-    r"[A-Za-z0-9_][A-Za-z0-9_.-]*",
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option
+FILE_NAME = matching(
+    NAME,
     "becomes part of a file name: letters, digits, '_', '.' and '-' only, not starting with '.' or '-'",
     "a file name (letters, digits, `_ . -`)",
 )
 NOT_EMPTY = Rule(lambda v: len(v) > 0, "must name at least one test set", "at least one")
-METRICS = {
-    "bleu": "BLEU",
-    "bleu_tok_lc": "BLEU tok-lc",
-    "chrf": "chrF2",
-    "ter": "TER",
-}  # score.metrics: name in reports
+# score.metrics' choices: the name each has in reports
+METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter": "TER"}
 
 
 def param(meaning: str, *rules: Rule, older_runs: Any = dataclasses.MISSING) -> Any:
@@ -221,7 +218,9 @@ class ReportConfig:
     label: str = param(
         "names this recipe's section of `reports/reproduction.md`; empty for the default",
         matching(  # it becomes part of a Markdown heading and an HTML comment
-            r"[A-Za-z0-9_.-]*", "may hold only letters, digits, '_', '.' and '-'", "letters, digits, `_ . -`"
+            re.compile(r"[A-Za-z0-9_.-]*"),
+            "may hold only letters, digits, '_', '.' and '-'",
+            "letters, digits, `_ . -`",
         ),
     )
 
@@ -231,7 +230,7 @@ class ExportConfig:
     registered_name: str = param(
         "the model's name in MLflow's model registry",
         matching(
-            r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+            re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*"),
             "must be letters, digits, '_', '.' or '-', starting with a letter or digit",
             "letters, digits, `_ . -`, starting with a letter or digit",
         ),

@@ -136,3 +136,10 @@ def test_switching_refuses_to_drop_edits_to_params_unless_forced(project, monkey
 def test_make_preset_runs_the_builder():
     dry = run(["make", "-n", "preset", "P=multi30k_en_de"], ROOT).stdout
     assert "python -m transformer.presets multi30k_en_de" in dry
+
+
+def test_a_preset_may_change_a_key_whose_name_holds_digits(tmp_path):
+    shutil.copytree(ROOT / "params", tmp_path / "params")
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "params/grads.yaml").write_text("# digits\ntrain:\n  ddp_bf16_grads: true  # a key with digits\n")
+    assert presets.recipe("grads", tmp_path)["train"]["ddp_bf16_grads"] is True

@@ -30,7 +30,7 @@ DEFAULT = "multi30k_de_en"  # the preset that changes nothing: params.yaml's own
 MARK = "# preset: "
 RUNS = Path("params/runs")
 SECTION = re.compile(r"([a-z_]+):\s*(#.*)?$")
-KEY = re.compile(r"  ([A-Za-z_]+):")
+KEY = re.compile(r"  ([A-Za-z_][A-Za-z0-9_]*):")  # keys may hold digits (ddp_bf16_grads)
 
 
 def preset_path(name: str, root: Path = Path(".")) -> Path:

@@ -36,7 +36,7 @@ from transformer.errors import DataError, TrainingError
 from transformer.evaluation.score import score_lines
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
-from transformer.model.attention import attention_kernels
+from transformer.kernels.select import attention_kernels
 from transformer.model.model import make_model
 from transformer.training.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
 from transformer.training.loss import batch_loss, token_loss

@@ -374,7 +374,7 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
     target = torch.randint(3, vocab, (rows, 1))
     with torch.autocast("cpu", dtype=torch.bfloat16), _Copies() as ops:
         if rdrop:
-            loss = rdrop_loss(model, hidden, target, PAD, 0.1, 5.0)
+            loss = rdrop_loss(model, hidden, target, PAD, 0.1, alpha=5.0)
         else:
             loss = token_loss(model, hidden, target, PAD, 0.1)
         loss.backward()
@@ -425,7 +425,7 @@ def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkey
         x = hidden.clone().requires_grad_()
         with _MatmulRows() as seen, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if rdrop:
-                value = rdrop_loss(model, x, tgt_out[: len(tgt_out) // 2], PAD, 0.1, rdrop)
+                value = rdrop_loss(model, x, tgt_out[: len(tgt_out) // 2], PAD, 0.1, alpha=rdrop)
             else:
                 value = token_loss(model, x, tgt_out, PAD, 0.1)
             value.backward()

@@ -16,7 +16,7 @@ import torch
 _LEVELS = 1 << 16  # a mask value is 16 random bits
 
 
-def cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """x (on a CPU) with each value zeroed with chance p (to 2^-16) and the rest scaled to keep the mean."""
     dropped = min(round(p * _LEVELS), _LEVELS - 1)
     bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)  # every 64-bit value

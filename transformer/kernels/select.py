@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer.kernels import dropout as masks
 from transformer.kernels import loss as kernel_loss
 from transformer.kernels import packing
-from transformer.kernels.dropout import cpu_dropout
 from transformer.kernels.packing import Packing
 from transformer.kernels.softmax import float32_softmax
 
@@ -56,13 +56,13 @@ class Linear(nn.Linear):
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training); on a CPU its masks are cpu_dropout's, the same on every CPU. On a GPU,
+    """F.dropout(x, p, training); on a CPU its masks are kernels/dropout.py's, the same on every CPU. On a GPU,
     and under torch.compile (which traces torch's and draws its own masks), torch's fused dropout."""
     if not training or p == 0 or x.numel() == 0:
         return x
     if x.device.type != "cpu" or torch.compiler.is_compiling():  # random_ would break a compiled graph
         return F.dropout(x, p, True)
-    return cpu_dropout(x, p)
+    return masks.dropout(x, p)
 
 
 class Dropout(nn.Module):

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.kernels import select
 from transformer.kernels.packing import Packing
-from transformer.kernels.select import Linear, dropout, softmax, writes_attention_out
+from transformer.kernels.select import Linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -76,7 +77,7 @@ class MultiHeadAttention(nn.Module):
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
         """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (equation 1), (B, h, T, d_k)."""
         p = self.dropout if self.training else 0.0
-        if not (self.keep_weights or writes_attention_out()):
+        if not (self.keep_weights or select.writes_attention_out()):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
         scores = q @ k.transpose(-2, -1)  # (B, h, T, S), a tensor of its own: scaled and masked in place
         if causal:
@@ -85,7 +86,7 @@ class MultiHeadAttention(nn.Module):
         scores.mul_(1 / math.sqrt(self.d_k))
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
-        weights = softmax(scores)
+        weights = select.softmax(scores)
         if self.keep_weights:
             self.weights = weights
-        return dropout(weights, p) @ v
+        return select.dropout(weights, p) @ v

@@ -46,6 +46,7 @@ def rdrop_loss(
     tgt_out: torch.Tensor,
     pad: int,
     smoothing: float,
+    *,
     alpha: float,
     zero_pad: bool = False,
 ) -> torch.Tensor:
@@ -70,6 +71,7 @@ def batch_loss(
     batch,
     pad: int,
     smoothing: float,
+    *,
     rdrop: float = 0.0,
     zero_pad: bool = False,
     shared_encoder: bool = False,

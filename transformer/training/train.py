@@ -307,7 +307,17 @@ class StepLoss(nn.Module):
     def forward(self, batch: Batch, rdrop: float = 0.0) -> torch.Tensor:
         """The loss summed over the batch's target tokens; R-Drop's with rdrop > 0."""
         m = self.model
-        return batch_loss(m, m, batch, PAD, self.smoothing, rdrop, self.zero_pad, self.shared_encoder, self.share)
+        return batch_loss(
+            m,
+            m,
+            batch,
+            PAD,
+            self.smoothing,
+            rdrop=rdrop,
+            zero_pad=self.zero_pad,
+            shared_encoder=self.shared_encoder,
+            share=self.share,
+        )
 
 
 def compiled(step: nn.Module, backend: str = "inductor") -> nn.Module:

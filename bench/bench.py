@@ -116,7 +116,7 @@ from transformer.decoding.translate import batched_search  # noqa: E402
 from transformer.evaluation.system import hardware  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory  # noqa: E402
-from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.kernels.select import attention_kernels  # noqa: E402
 from transformer.model.model import Transformer, make_model  # noqa: E402
 from transformer.training.distributed import use_bf16  # noqa: E402
 from transformer.training.train import StepLoss, compiled, make_optimizer  # noqa: E402

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.kernels.select import attention_kernels  # noqa: E402
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

@@ -56,7 +56,7 @@ from transformer.data.batching import Batch, ParallelCorpus, token_batches  # no
 from transformer.data.vocab import PAD  # noqa: E402
 from transformer.io import write_json  # noqa: E402
 from transformer.kernels.memory import peak_rss_mb  # noqa: E402
-from transformer.model.attention import attention_kernels  # noqa: E402
+from transformer.kernels.select import attention_kernels  # noqa: E402
 from transformer.model.model import make_model  # noqa: E402
 from transformer.presets import recipe  # noqa: E402
 from transformer.training.distributed import set_precision  # noqa: E402

@@ -1,9 +1,10 @@
-"""transformer.kernels.dropout: CPU masks from the Mersenne Twister's draws, the same on every CPU."""
+"""The model's dropout (select.dropout): on a CPU, transformer.kernels.dropout's masks from the Mersenne
+Twister's draws, the same on every CPU."""
 
 import pytest
 import torch
 
-from transformer.kernels.dropout import Dropout, dropout
+from transformer.kernels.select import Dropout, dropout
 
 
 def test_the_masks_are_the_twisters_draws_so_every_cpu_drops_the_same_values():

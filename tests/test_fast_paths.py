@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_params, train_outputs
 
-import transformer.training.loss
 from transformer.config import params_from_dict
 from transformer.data.vocab import PAD
 from transformer.decoding.search import beam_search, greedy
-from transformer.model.attention import MultiHeadAttention, _Softmax, attention_kernels
+from transformer.kernels import select
+from transformer.kernels.select import attention_kernels
+from transformer.kernels.softmax import float32_softmax
+from transformer.model.attention import MultiHeadAttention
 from transformer.model.model import make_model
 from transformer.training import train as train_module
 from transformer.training.loss import token_loss
@@ -50,17 +52,18 @@ def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "whole"])
 def test_generator_projects_only_non_pad_positions(monkeypatch, fuse):
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
+    if not fuse:
+        monkeypatch.setattr(select, "fuses_loss", lambda generator, rows: False)
     model = _model()
     rows = []
     model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
-    fused = transformer.training.loss._fused  # the fused loss reads the generator's weight, not its forward
+    fused = select.fused_loss  # the fused loss reads the generator's weight, not its forward
 
-    def counted(generator, hidden, *args):
+    def counted(generator, hidden, *args, **kwargs):
         rows.append(hidden.shape[0])
-        return fused(generator, hidden, *args)
+        return fused(generator, hidden, *args, **kwargs)
 
-    monkeypatch.setattr(transformer.training.loss, "_fused", counted)
+    monkeypatch.setattr(select, "fused_loss", counted)
     tgt_out = torch.tensor([[5, 6, 1, 2, 2], [7, 1, 2, 2, 2], [5, 6, 7, 8, 1]])
     token_loss(model, model(_src(), tgt_out), tgt_out, pad=2, smoothing=0.1)
     assert rows == [int((tgt_out != 2).sum())]
@@ -141,7 +144,7 @@ def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     """Written out, attention makes no float32 copies of its bf16 inputs and none of torch's math kernel's
     extra passes (its mask made additive, its softmax made safe for rows that attend to nothing); its
     forward scales and masks the scores in place, with no tensor of their own. Only the softmax's
-    weights and the scores' gradient are copied back from float32 (_Softmax)."""
+    weights and the scores' gradient are copied back from float32 (float32_softmax)."""
     attention = MultiHeadAttention(16, 2, self_attention=True).train()
     q, k, v, mask = _attention_inputs(False, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16), attention_kernels(torch.device("cpu"), True):
@@ -175,7 +178,7 @@ def test_the_softmax_of_bf16_scores_is_float32s_forward_and_back(length):
     scores[0, :, :, length // 2 :] = float("-inf")
     scores.requires_grad_()
     grad = torch.randn(scores.shape).bfloat16()
-    weights = _Softmax.apply(scores)
+    weights = float32_softmax(scores)
     (d_scores,) = torch.autograd.grad(weights, scores, grad)
     x = scores.detach().float().requires_grad_()
     reference = x.softmax(-1)

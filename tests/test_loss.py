@@ -8,10 +8,12 @@ import torch.nn.functional as F
 from conftest import DataDependentOps, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import transformer.kernels.loss as kernel_loss
 import transformer.kernels.packing
-import transformer.training.loss
 from transformer.data.batching import Batch
-from transformer.training.loss import _Fused, _RDrop, batch_loss, rdrop_loss, token_loss
+from transformer.kernels import select
+from transformer.kernels.loss import LossSpec, _Fused, _RDrop
+from transformer.training.loss import batch_loss, rdrop_loss, token_loss
 
 PAD = 2
 
@@ -19,8 +21,16 @@ PAD = 2
 @pytest.fixture(params=[False, True], ids=["whole", "fused"])
 def fused(request, monkeypatch):
     """Runs a test on the whole loss and again with the generator and loss fused (_Fused)."""
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if request.param else 1 << 62)
+    _fuse(monkeypatch, request.param)
     return request.param
+
+
+_FUSES_LOSS = select.fuses_loss  # training's choice: fused for every row of a Linear generator
+
+
+def _fuse(monkeypatch, fuse: bool) -> None:
+    """The loss fused with the generator as training fuses it, or never (the whole loss)."""
+    monkeypatch.setattr(select, "fuses_loss", _FUSES_LOSS if fuse else lambda generator, rows: False)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -182,7 +192,8 @@ def test_rdrop_loss_gradient_is_that_of_its_formula(smoothing, zero_pad, fused):
     # In float64, from the logits on, with the pad row kept (as on a GPU): to rounding.
     logits = generator(hidden.detach().flatten(0, 1)).detach().requires_grad_()
     target = tgt_out.flatten().repeat(2)
-    assert torch.autograd.gradcheck(lambda z: _RDrop.apply(z, target, PAD, smoothing, 5.0, zero_pad), (logits,))
+    spec = LossSpec(PAD, smoothing, zero_pad, alpha=5.0)
+    assert torch.autograd.gradcheck(lambda z: _RDrop.apply(z, target, spec), (logits,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -197,9 +208,9 @@ def test_rdrop_loss_in_blocks_is_bit_for_bit_the_loss_in_one(monkeypatch, dtype,
     target[[4, n + 4]] = PAD
 
     def run(block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(transformer.training.loss, "_BLOCK", block)
+        monkeypatch.setattr(kernel_loss, "_BLOCK", block)
         x = logits.clone().requires_grad_()
-        loss = _RDrop.apply(x, target, PAD, 0.1, 5.0, zero_pad)
+        loss = _RDrop.apply(x, target, LossSpec(PAD, 0.1, zero_pad, alpha=5.0))
         (loss / 17).backward()
         return loss, x.grad
 
@@ -215,9 +226,10 @@ def test_rdrop_loss_under_autocast_is_its_float32_value():
     torch.manual_seed(0)
     logits = (3 * torch.randn(2 * 30, 500)).to(torch.bfloat16)
     target = torch.randint(3, 500, (30,)).repeat(2)
-    plain = _RDrop.apply(logits.float(), target, PAD, 0.1, 5.0, False)
+    spec = LossSpec(PAD, 0.1, alpha=5.0)
+    plain = _RDrop.apply(logits.float(), target, spec)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = _RDrop.apply(logits, target, PAD, 0.1, 5.0, False)
+        autocast = _RDrop.apply(logits, target, spec)
     assert autocast.dtype == torch.float32
     assert torch.equal(autocast, plain)
 
@@ -238,12 +250,12 @@ def _fused_batch() -> Batch:
 def _loss_and_gradients(monkeypatch, fuse: bool, chunk: int, bf16: bool, **loss):
     """batch_loss of a tiny tied-embedding model in training (dropout on), and every parameter's gradient:
     through the decoder they hold d loss / d hidden, and the tied embedding both of its uses' gradients."""
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0 if fuse else 1 << 62)
-    monkeypatch.setattr(transformer.training.loss, "_CHUNK", chunk)
+    _fuse(monkeypatch, fuse)
+    monkeypatch.setattr(kernel_loss, "_CHUNK", chunk)
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, dropout=0.1, tie_embeddings=True).train()
     calls, hidden = [], []
-    monkeypatch.setattr(transformer.training.loss, "_Fused", _Spy(calls))
+    monkeypatch.setattr(kernel_loss, "_Fused", _Spy(calls))
 
     def forward(src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         hidden.append(model(src, tgt_in))
@@ -310,9 +322,9 @@ def test_every_batch_with_a_linear_generator_takes_the_fused_loss():
         model = torch.nn.Module()
         for rows, vocab in ((2 * 3000, 8000), (25000, 37000), (1, 100)):
             model.generator = torch.nn.Linear(512, vocab, bias=False)
-            assert transformer.training.loss._fuses(model, torch.empty(rows, 512))
+            assert select.fuses_loss(model.generator, torch.empty(rows, 512))
         model.generator = torch.nn.Sequential(torch.nn.Linear(512, 37000))  # not the math _Fused repeats
-        assert not transformer.training.loss._fuses(model, torch.empty(25000, 512))
+        assert not select.fuses_loss(model.generator, torch.empty(25000, 512))
 
 
 class _OpNames(TorchDispatchMode):
@@ -354,8 +366,7 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
     matmuls take it) while the block is in cache: no copy spans more of the logits' rows than a block.
     And the plain loss takes its log-probabilities from the softmax's maxima, with no log-softmax pass."""
     vocab, rows = 40, 30
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.training.loss, "_BLOCK", 4 * vocab)  # 4 rows, or 4 pairs of rows, a block
+    monkeypatch.setattr(kernel_loss, "_BLOCK", 4 * vocab)  # 4 rows, or 4 pairs of rows, a block
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.generator = torch.nn.Linear(16, vocab, bias=False)
@@ -363,7 +374,7 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
     target = torch.randint(3, vocab, (rows, 1))
     with torch.autocast("cpu", dtype=torch.bfloat16), _Copies() as ops:
         if rdrop:
-            loss = rdrop_loss(model, hidden, target, PAD, 0.1, 5.0)
+            loss = rdrop_loss(model, hidden, target, PAD, 0.1, alpha=5.0)
         else:
             loss = token_loss(model, hidden, target, PAD, 0.1)
         loss.backward()
@@ -374,8 +385,7 @@ def test_the_fused_loss_in_bf16_casts_its_gradient_a_block_at_a_time(monkeypatch
 
 def test_fused_loss_without_a_graph_computes_no_gradient(monkeypatch):
     """Validation (no_grad) pays the generator's matmul alone, one a chunk; training three."""
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.training.loss, "_CHUNK", 10 * FUSED_VOCAB)  # 23 rows: 3 chunks
+    monkeypatch.setattr(kernel_loss, "_CHUNK", 10 * FUSED_VOCAB)  # 23 rows: 3 chunks
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
     hidden, tgt_out = torch.randn(6, 6, 16, requires_grad=True), _fused_batch().tgt_out
@@ -402,10 +412,9 @@ class _MatmulRows(TorchDispatchMode):
 @pytest.mark.parametrize("rdrop", [0.0, 5.0], ids=["token loss", "rdrop"])
 def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkeypatch, rdrop):
     """23 rows in chunks of 10 (R-Drop: 5 pairs): the last one's 3 rows (pairs) are padded to 8 (capped
-    at the chunk), so that oneDNN meets kernels it has built, as packing.Linear's rows; in fp32 they
+    at the chunk), so that oneDNN meets kernels it has built, as select.Linear's rows; in fp32 they
     are not. The padding's rows add nothing: the loss and its gradient are the unpadded ones."""
-    monkeypatch.setattr(transformer.training.loss, "FUSE_ABOVE", 0)
-    monkeypatch.setattr(transformer.training.loss, "_CHUNK", 10 * FUSED_VOCAB)
+    monkeypatch.setattr(kernel_loss, "_CHUNK", 10 * FUSED_VOCAB)
     torch.manual_seed(0)
     model = tiny_model(src_vocab=FUSED_VOCAB, tgt_vocab=FUSED_VOCAB, tie_embeddings=True)
     copies = 2 if rdrop else 1
@@ -416,7 +425,7 @@ def test_the_fused_losss_last_chunk_in_bf16_on_a_cpu_runs_on_a_row_bucket(monkey
         x = hidden.clone().requires_grad_()
         with _MatmulRows() as seen, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if rdrop:
-                value = rdrop_loss(model, x, tgt_out[: len(tgt_out) // 2], PAD, 0.1, rdrop)
+                value = rdrop_loss(model, x, tgt_out[: len(tgt_out) // 2], PAD, 0.1, alpha=rdrop)
             else:
                 value = token_loss(model, x, tgt_out, PAD, 0.1)
             value.backward()
@@ -471,8 +480,8 @@ def test_on_a_cpu_the_loss_zeroes_its_pad_rows_alone_and_runs_no_exp(rdrop):
     # except under a mode, which would see an index_put_ that never runs outside it.
     with torch.profiler.profile() as prof:
         if rdrop:
-            *_, g = transformer.training.loss._rdrop_rows(logits, target, PAD, 0.1, 5.0, zero_pad=False)
+            *_, g = kernel_loss._rdrop_rows(logits, target, LossSpec(PAD, 0.1, alpha=5.0))
         else:
-            _, g = transformer.training.loss._ce_rows(logits, target, PAD, 0.1, zero_pad=False)
+            _, g = kernel_loss._ce_rows(logits, target, LossSpec(PAD, 0.1))
     assert torch.all(g[target == PAD] == 0) and torch.all(g[target != PAD].abs().amax(-1) > 0)
     assert not {"aten::masked_fill_", "aten::masked_fill", "aten::exp"} & {e.name for e in prof.events()}

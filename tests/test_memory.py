@@ -98,7 +98,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from transformer.kernels.memory import training_memory
-from transformer.kernels.packing import Linear
+from transformer.kernels.select import Linear
 training_memory()
 layer = Linear(64, 32)
 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -130,7 +130,7 @@ def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeyp
 
 
 # Updates of a tiny model in bf16 over batches of changing shapes, as training's are; the resident
-# set before them, after a first stretch (long enough to meet most row buckets, packing.Linear's)
+# set before them, after a first stretch (long enough to meet most row buckets, select.Linear's)
 # and after two and a half times as many.
 _UPDATES = """
 import json, torch

@@ -8,8 +8,7 @@ from conftest import tiny_model
 from torch.profiler import ProfilerActivity, profile
 
 from transformer.data.vocab import PAD
-from transformer.kernels import packing
-from transformer.kernels.packing import Packing
+from transformer.kernels import packing, select
 
 V = 20
 NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values
@@ -30,7 +29,7 @@ SRC, TGT = _padded([9, 3, 5, 1, 7], 1), _padded([7, 2, 4, 1, 6], 2)  # 56% and 5
 
 
 def _outputs_and_gradients(model, threshold: float, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    monkeypatch.setattr(packing, "PACK_BELOW", threshold)
+    monkeypatch.setattr(select, "PACK_BELOW", threshold)
     model.zero_grad()
     real = model(SRC, TGT)[TGT != PAD]
     (real**2).sum().backward()
@@ -67,7 +66,7 @@ def test_a_mostly_padded_batch_runs_its_token_wise_layers_on_real_tokens_only():
 
 def test_a_mostly_real_batch_stays_padded():
     full, one_pad = _padded([6, 6, 6, 6], 3), _padded([6, 6, 6, 5], 4)  # 100% and 96% real
-    assert Packing.of(full, PAD) is None and Packing.of(one_pad, PAD) is None
+    assert select.packing_of(full, PAD) is None and select.packing_of(one_pad, PAD) is None
     model = _model()
     rows = _feed_forward_rows(model)
     model(one_pad, full)
@@ -76,7 +75,7 @@ def test_a_mostly_real_batch_stays_padded():
 
 def test_unpack_restores_the_real_tokens_and_zeroes_the_padding():
     x = torch.randn(*SRC.shape, 3)
-    p = Packing.of(SRC, PAD)
+    p = select.packing_of(SRC, PAD)
     assert p is not None and p.pack(x).shape == (int((SRC != PAD).sum()), 3)
     back = p.unpack(p.pack(x))
     real = (SRC != PAD)[..., None]
@@ -94,7 +93,7 @@ def test_row_buckets_are_eight_an_octave_at_most_an_eighth_above():
 def _linear_rows_and_result(x: torch.Tensor, bf16: bool) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
     """The rows of the matmuls a Linear(16, 24) ran on x (forward and backward), its output and gradients."""
     torch.manual_seed(0)
-    layer = packing.Linear(16, 24)
+    layer = select.Linear(16, 24)
     x = x.clone().requires_grad_()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -124,7 +123,7 @@ def test_a_linear_in_bf16_on_a_cpu_runs_on_bucketed_rows_and_gives_the_unpadded_
 def test_a_bucketed_linear_copies_its_rows_once_each_way_and_zeroes_only_the_padding():
     """In bf16 on a CPU: x into the padded buffer (cast on the way), the output's gradient into one
     alike, the input's gradient out (cast back), and nothing zeroed but the padding rows."""
-    layer = packing.Linear(16, 24)
+    layer = select.Linear(16, 24)
     x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: bucket 112
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16):

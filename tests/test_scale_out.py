@@ -37,14 +37,15 @@ from conftest import (
     write_params,
 )
 
-import transformer.training.loss
 from transformer import checkpoints
 from transformer.config import ConfigError, params_from_dict
 from transformer.data.download import MIRROR_ENV, download_corpus, load_registry
 from transformer.data.vocab import PAD, BpeVocab, WordVocab
 from transformer.decoding.translate import Translator
 from transformer.io import DataError
-from transformer.model.attention import MultiHeadAttention, attention_kernels
+from transformer.kernels import select
+from transformer.kernels.select import attention_kernels
+from transformer.model.attention import MultiHeadAttention
 from transformer.model.layers import FeedForward
 from transformer.model.model import check_model_config, make_model
 from transformer.presets import names, recipe
@@ -327,9 +328,8 @@ def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing, monkeypatch):
-    monkeypatch.setattr(
-        transformer.training.loss, "FUSE_ABOVE", 1 << 62
-    )  # the whole loss; test_loss holds the fused to it
+    # the whole loss; test_loss holds the fused one to it
+    monkeypatch.setattr(select, "fuses_loss", lambda generator, rows: False)
     torch.manual_seed(0)
     model = _tiny(dropout=0.0).eval()
     _, _, tgt_out = _batch()

@@ -188,9 +188,9 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
 
     alphas = []
 
-    def recording(forward, model, batch, pad, smoothing, rdrop=0.0, *rest):
+    def recording(*args, rdrop=0.0, **kwargs):
         alphas.append(rdrop)
-        return batch_loss(forward, model, batch, pad, smoothing, rdrop, *rest)
+        return batch_loss(*args, rdrop=rdrop, **kwargs)
 
     batch_loss = train_module.batch_loss
     monkeypatch.setattr(train_module, "batch_loss", recording)

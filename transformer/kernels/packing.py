@@ -1,5 +1,6 @@
-"""Packed batches: the token-wise layers skip the padding of a padded batch. And the model's Linear,
-whose rows are padded to a few sizes where a CPU builds a kernel for every shape (row_bucket)."""
+"""Packed batches: the token-wise layers skip the padding of a padded batch, with the padded batch's
+result (Packing; tests/test_packing.py holds the packed model to the padded one). And a Linear's rows
+padded to a few sizes where a CPU builds a kernel for every shape (padded_linear, the twin of F.linear)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-# Pack a batch side whose real tokens fill less than this share of its positions: below it packing
-# gains, above it gathering the tokens costs more than the padding it skips (bench/packing.py).
-PACK_BELOW = 0.8
 
 
 def counts_on_host(t: torch.Tensor) -> bool:
@@ -36,20 +32,18 @@ def row_bucket(rows: int) -> int:
     return -(-rows // multiple) * multiple
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose rows (all dims but the last) are padded up to row_bucket's sizes where a CPU
-    runs it in a half dtype. There oneDNN builds a kernel for each shape it meets, which takes longer
-    than running it at this model's sizes, and token batches give every update new row counts (its
-    tokens, B x T or packed): padded, they repeat from update to update, and the kernels are reused
-    from oneDNN's cache (docs/speed.md). fp32 runs on MKL, which builds nothing; CUDA pads nothing."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        size = row_bucket(rows) if builds_kernels(x) else rows
-        if size == rows:
-            return F.linear(x, self.weight, self.bias)
-        y = _PaddedLinear.apply(x.reshape(rows, x.size(-1)), self.weight, self.bias, size, matmul_dtype(x))
-        return y.view(*x.shape[:-1], y.size(-1))
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), its rows (all dims but the last) padded up to row_bucket's sizes. Where a
+    CPU runs it in a half dtype, oneDNN builds a kernel for each shape it meets, which takes longer than
+    running it at this model's sizes, and token batches give every update new row counts (its tokens,
+    B x T or packed): padded, they repeat from update to update, and the kernels are reused from
+    oneDNN's cache (docs/speed.md). fp32 runs on MKL, which builds nothing; CUDA pads nothing."""
+    rows = x.shape[:-1].numel()
+    size = row_bucket(rows)
+    if size == rows:
+        return F.linear(x, weight, bias)
+    y = _PaddedLinear.apply(x.reshape(rows, x.size(-1)), weight, bias, size, matmul_dtype(x))
+    return y.view(*x.shape[:-1], y.size(-1))
 
 
 class _PaddedLinear(torch.autograd.Function):
@@ -107,17 +101,6 @@ class Packing:
     index: torch.Tensor  # (n,) positions in the flattened (B * T) batch
     rows: int
     length: int
-
-    @staticmethod
-    def of(tokens: torch.Tensor, pad: int) -> Packing | None:
-        """The packing of `tokens` (B, T), or None where it does not pay: a side that is mostly
-        real tokens, or where counting them does not come free (counts_on_host)."""
-        if not counts_on_host(tokens):
-            return None
-        real = (tokens != pad).flatten()
-        if int(real.sum()) >= PACK_BELOW * real.numel():
-            return None
-        return Packing(real.nonzero().squeeze(1), *tokens.shape)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) -> (n, ...)"""

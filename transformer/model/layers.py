@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from transformer.kernels.dropout import Dropout
-from transformer.kernels.packing import Linear, Packing
+from transformer.kernels.packing import Packing
+from transformer.kernels.select import Dropout, Linear
 from transformer.model.attention import MultiHeadAttention
 
 Cache = dict[str, torch.Tensor]

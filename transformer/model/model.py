@@ -14,8 +14,8 @@ from torch import nn
 from transformer import checkpoints
 from transformer.config import ModelConfig, model_problems
 from transformer.io import DataError
-from transformer.kernels.dropout import Dropout
-from transformer.kernels.packing import Linear, Packing
+from transformer.kernels.packing import Packing
+from transformer.kernels.select import Dropout, Linear, packing_of
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
 
@@ -115,19 +115,19 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, copies: int = 1) -> torch.Tensor:
         """Decoder output states (B, T, d_model); the loss projects only non-pad positions.
 
-        A side that is mostly padding runs packed (transformer.kernels.packing): same result, less work.
+        A side that is mostly padding runs packed (select.packing_of): same result, less work.
         `copies` > 1 decodes the batch that many times over one encoding of src, copy after copy
         along the batch dimension, (copies * B, T, d_model): in training each copy draws its own
         decoder dropout and all share the encoder's."""
         src_mask = self.src_mask(src)
-        src_packing = Packing.of(src, self.pad)
+        src_packing = packing_of(src, self.pad)
         memory = self.encode(src, src_mask, src_packing)
         if copies > 1:
             # Repeating the packed memory packs the repeated batch: its real tokens come copy after copy.
             memory = memory.repeat(copies, *[1] * (memory.dim() - 1))
             src, tgt_in, src_mask = src.repeat(copies, 1), tgt_in.repeat(copies, 1), src_mask.repeat(copies, 1, 1, 1)
-            src_packing = Packing.of(src, self.pad)
-        tgt_packing = Packing.of(tgt_in, self.pad)
+            src_packing = packing_of(src, self.pad)
+        tgt_packing = packing_of(tgt_in, self.pad)
         x = self.decode(tgt_in, memory, src_mask, packing=tgt_packing, memory_packing=src_packing)
         return x if tgt_packing is None else tgt_packing.unpack(x)
 

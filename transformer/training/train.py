@@ -36,7 +36,7 @@ from transformer.errors import DataError, TrainingError
 from transformer.evaluation.score import score_lines
 from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
-from transformer.model.attention import attention_kernels
+from transformer.kernels.select import attention_kernels
 from transformer.model.model import make_model
 from transformer.training.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
 from transformer.training.loss import batch_loss, token_loss
@@ -307,7 +307,17 @@ class StepLoss(nn.Module):
     def forward(self, batch: Batch, rdrop: float = 0.0) -> torch.Tensor:
         """The loss summed over the batch's target tokens; R-Drop's with rdrop > 0."""
         m = self.model
-        return batch_loss(m, m, batch, PAD, self.smoothing, rdrop, self.zero_pad, self.shared_encoder, self.share)
+        return batch_loss(
+            m,
+            m,
+            batch,
+            PAD,
+            self.smoothing,
+            rdrop=rdrop,
+            zero_pad=self.zero_pad,
+            shared_encoder=self.shared_encoder,
+            share=self.share,
+        )
 
 
 def compiled(step: nn.Module, backend: str = "inductor") -> nn.Module:

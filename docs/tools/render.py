@@ -76,9 +76,10 @@ def run(source: Path, out: Path) -> int:
             page += ["```text", printed.rstrip("\n"), "```", ""]
         for number in plt.get_fignums():
             drawn += 1
-            name = f"{figures.name}/figure-{drawn}.png"
-            plt.figure(number).savefig(out.parent / name, dpi=96, bbox_inches="tight", metadata={"Software": None})
-            page += [f"![Figure {drawn}]({name})", ""]
+            name, figure = f"{figures.name}/figure-{drawn}.png", plt.figure(number)
+            figure.savefig(out.parent / name, dpi=96, bbox_inches="tight", metadata={"Software": None})
+            titles = "; ".join(ax.get_title() for ax in figure.axes if ax.get_title())
+            page += [f"![Figure {drawn}: {titles}]({name})", ""]
         plt.close("all")
     out.write_text("\n".join(page).rstrip("\n") + "\n")
     return drawn

@@ -9,8 +9,9 @@
 #
 # This page is a script, `docs/annotated.py`, run top to bottom by `python docs/tools/render.py`,
 # which writes the page you are reading with every printout and figure the run made; the test suite
-# runs it too (`tests/test_annotated.py`). Everything is sized to run on a laptop CPU in well under
-# a minute.
+# runs it too (`tests/test_annotated.py`). Its `# %%` cells open as a notebook in editors that know
+# the percent format (VS Code, Jupyter with jupytext). Everything is sized to run on a laptop CPU in
+# under a minute.
 
 # %%
 import inspect
@@ -56,8 +57,9 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 # ## Embeddings and positions (sections 3.4 and 3.5)
 #
 # A token's embedding is a learned row of width $d_\text{model}$, multiplied by
-# $\sqrt{d_\text{model}}$ so that it is not drowned by the positional signal added to it.
-# Attention has no notion of order, so each position $pos$ gets a fixed vector of sines and cosines
+# $\sqrt{d_\text{model}}$ as in section 3.4. With tied embeddings (below) the same matrix,
+# unscaled, projects the decoder's output onto the vocabulary. Attention has no notion of order,
+# so each position $pos$ gets a fixed vector of sines and cosines
 # whose wavelengths grow geometrically from $2\pi$ to $10000 \cdot 2\pi$ along the dimensions:
 #
 # $$PE_{(pos, 2i)} = \sin\left(pos / 10000^{2i/d_\text{model}}\right), \qquad
@@ -122,19 +124,18 @@ print("fused kernel == formula:", torch.allclose(fast, written_out, atol=1e-6))
 #   \qquad \mathrm{head}_i = \mathrm{Attention}(QW_i^Q, KW_i^K, VW_i^V)$$
 #
 # The total cost is about that of one head of full width, and each head can attend to something
-# else. In code the $h$ projections are one matrix, split by reshaping: self-attention (queries,
-# keys and values from the same sequence) does all three in a single matmul (`qkv`); source
-# attention, the decoder's attention over the encoder's output, projects queries from the decoder
-# (`q`) and keys and values from the memory (`kv`). Decoding computes the memory's keys and values
-# once per sentence (`memory_heads`) and reuses them at every step.
+# else. In code the $h$ projections of each kind are one matrix, split into heads by reshaping;
+# self-attention (queries, keys and values from the same sequence) computes all three in a single
+# matmul, and source attention, the decoder's attention over the encoder's output, projects queries
+# from the decoder and keys and values from the memory. Decoding computes the memory's keys and
+# values once per sentence (`memory_heads`) and reuses them at every step.
 
 # %%
 source_attention = MultiHeadAttention(d_model, h, self_attention=False).eval()
 memory = torch.randn(B, 7, d_model)  # an encoder output of 7 source tokens
 k, v = source_attention.memory_heads(memory)
-print("self-attention projection :", attention.qkv)
-print("source attention, queries :", source_attention.q)
-print("source attention, keys and values:", source_attention.kv)
+for name, module in (("self-attention", attention), ("source attention", source_attention)):
+    print(name, {n: tuple(p.shape) for n, p in module.named_parameters()})
 print("memory:", tuple(memory.shape), "-> keys", tuple(k.shape), "and values", tuple(v.shape), " (B, h, S, d_k)")
 print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_attention(x, memory).shape))
 
@@ -197,7 +198,7 @@ print(inspect.getsource(Residual.forward))
 # sub-layer's input instead, $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ ("pre-norm",
 # `model.norm: pre`), and adds a final LayerNorm to each stack. Pre-norm leaves an unnormalized
 # path from the embeddings to the top of the stack, which makes deep models train stably without
-# a careful warmup; this project's default recipe uses it.
+# a careful warmup (Xiong et al., 2020); this project's default recipe uses it.
 #
 # The difference shows in the residual stream of an untrained 6-layer encoder: post-norm brings
 # every layer's output back to unit scale, pre-norm lets the sum grow layer by layer.
@@ -379,7 +380,7 @@ while update < updates:
 # their log-probability divided by GNMT's length penalty $((5 + |Y|)/6)^\alpha$ (the paper: beam 4,
 # $\alpha = 0.6$). Both work on any model with `start` and `step`: the encoder runs once, and each
 # step feeds the decoder only the last token, with every layer's keys and values of the earlier
-# ones cached. Each output may be at most a limit long, here its source's length plus 2.
+# ones cached. Each output has a length limit, here its source's length (with `</s>`) plus 2.
 
 # %%
 copier.eval()

@@ -388,7 +388,7 @@ test = random_corpus(pairs=200, longest=6, words=8, seed=3)
 batch = test.batch(list(range(len(test))))
 limit = test.src_lens + 2
 found = greedy(copier, batch.src, limit, BOS, EOS)
-wanted = [test.tgt[test.tgt_off[i] : test.tgt_off[i + 1]].tolist() for i in range(len(test))]
+wanted = [row[row != PAD][:-1].tolist() for row in batch.tgt_out]  # each target without its </s>
 print(f"greedy: {sum(f == w for f, w in zip(found, wanted))} of {len(test)} new sequences copied exactly")
 for f, w in list(zip(found, wanted))[:3]:
     print("  source", w, "-> output", f)

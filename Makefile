@@ -5,13 +5,13 @@ TORCH  ?= torch==2.13.0
 BIN    := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: repro test ui bench bench-scale lock preset
+.PHONY: repro test ui bench bench-scale lock preset docs
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test]'
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test,docs]'
 	touch $@
 
 repro: $(VENV)/.installed
@@ -27,6 +27,16 @@ ui: $(VENV)/.installed
 	@MLFLOW_TRACKING_URI=sqlite:///$(CURDIR)/mlflow.db python -c 'from transformer.tracking import runs_table_url; \
 	print("runs table:", runs_table_url("params.yaml", "http://$(UI_HOST):$(UI_PORT)"))'
 	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host $(UI_HOST) --port $(UI_PORT)
+
+# The documentation site on http://$(DOCS_ADDR), rebuilt on every edit. The annotated model's page
+# (docs/annotated.md and its figures) is written by running docs/annotated.py, again when it or the package changes.
+DOCS_ADDR ?= 127.0.0.1:8000
+export NO_MKDOCS_2_WARNING := 1
+docs: $(VENV)/.installed docs/annotated.md
+	mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs/annotated.md: docs/annotated.py docs/tools/render.py $(shell find transformer -name '*.py') | $(VENV)/.installed
+	python docs/tools/render.py
 
 bench: $(VENV)/.installed
 	python bench/bench.py

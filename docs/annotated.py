@@ -1,0 +1,473 @@
+# %% [markdown]
+# # The annotated model
+#
+# "Attention Is All You Need" (Vaswani et al., 2017) read section by section next to the code that
+# trains this project's models. No cell below defines a layer of its own: each imports the piece of
+# the `transformer` package that the pipeline runs, builds it at toy size and shows what it does.
+# The layout follows the paper: the model (section 3), training (section 5), decoding (section 6),
+# then what the full pipeline makes of it on Multi30k.
+#
+# This page is a script, `docs/annotated.py`, run top to bottom by `python docs/tools/render.py`,
+# which writes the page you are reading with every printout and figure the run made; the test suite
+# runs it too (`tests/test_annotated.py`). Its `# %%` cells open as a notebook in editors that know
+# the percent format (VS Code, Jupyter with jupytext). Everything is sized to run on a laptop CPU in
+# under a minute.
+
+# %%
+import inspect
+import json
+
+import matplotlib.pyplot as plt
+import torch
+
+from transformer.config import load_params
+from transformer.data.batching import ParallelCorpus, token_batches
+from transformer.data.vocab import BOS, EOS, PAD, SPECIALS
+from transformer.decoding.search import beam_search_nbest, greedy
+from transformer.model.attention import MultiHeadAttention
+from transformer.model.embeddings import Embeddings, PositionalEncoding
+from transformer.model.layers import FeedForward, Residual
+from transformer.model.model import count_parameters, make_model
+from transformer.training.loss import smoothed_cross_entropy, token_loss
+from transformer.training.schedule import rate
+
+torch.manual_seed(0)
+torch.set_num_threads(1)  # models this small run fastest on one thread
+print("special tokens:", dict(zip(SPECIALS, range(len(SPECIALS)))))
+
+# %% [markdown]
+# ## The model at a glance (section 3.1)
+#
+# An encoder reads the source sentence and turns every token into a vector that has looked at the
+# whole sentence; a decoder writes the translation one token at a time, looking at what it has
+# written so far and at the encoder's vectors. Both are stacks of $N$ identical layers of width
+# $d_\text{model}$. Every layer is made of sub-layers (attention, a feed-forward network), each
+# wrapped in a residual connection and a layer normalization. The tokens enter as embeddings with
+# their positions added; the decoder's last vectors are projected onto the vocabulary.
+#
+# The paper's names are the code's: `N`, `d_model`, `d_ff`, `h`, and params.yaml's `model` section
+# uses them too. The toy sizes of this page:
+
+# %%
+d_model, h, d_ff = 16, 2, 32
+B, T = 2, 5  # sentences and tokens of the tiny batch used below
+print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
+
+# %% [markdown]
+# ## Embeddings and positions (sections 3.4 and 3.5)
+#
+# A token's embedding is a learned row of width $d_\text{model}$, multiplied by
+# $\sqrt{d_\text{model}}$ as in section 3.4. With tied embeddings (below) the same matrix,
+# unscaled, projects the decoder's output onto the vocabulary. Attention has no notion of order,
+# so each position $pos$ gets a fixed vector of sines and cosines
+# whose wavelengths grow geometrically from $2\pi$ to $10000 \cdot 2\pi$ along the dimensions:
+#
+# $$PE_{(pos, 2i)} = \sin\left(pos / 10000^{2i/d_\text{model}}\right), \qquad
+#   PE_{(pos, 2i+1)} = \cos\left(pos / 10000^{2i/d_\text{model}}\right)$$
+#
+# Low dimensions change from one position to the next, high ones barely move, so every position
+# gets a distinct pattern and nearby positions get similar ones. `PositionalEncoding` adds the
+# table to its input (it grows the table when a longer input arrives); fed zeros, it returns the
+# table itself.
+
+# %%
+embed = Embeddings(vocab=10, d_model=d_model)
+tokens = torch.tensor([[4, 5, 6, 7, 1], [8, 9, 1, PAD, PAD]])  # (B, T)
+print("embeddings:", tuple(embed(tokens).shape), " scale sqrt(d_model) =", embed.scale)
+
+position = PositionalEncoding(d_model=64)
+table = position(torch.zeros(1, 100, 64))[0]  # (positions, d_model)
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2))
+for dim in (4, 5, 6, 7):
+    left.plot(table[:, dim], label=f"dim {dim}")
+left.set(xlabel="position", ylabel="value", title="four dimensions of the encoding")
+left.legend(loc="lower right", fontsize=8)
+image = right.imshow(table.T, aspect="auto", cmap="RdBu", interpolation="nearest")
+right.set(xlabel="position", ylabel="dimension", title="the whole table, d_model = 64")
+fig.colorbar(image, ax=right)
+
+# %% [markdown]
+# ## Scaled dot-product attention (section 3.2.1)
+#
+# A query is compared with every key by a dot product; the scores, divided by $\sqrt{d_k}$, go
+# through a softmax, and the result weighs the values:
+#
+# $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\left(\frac{QK^\top}{\sqrt{d_k}}\right) V$$
+#
+# Without the division, dot products of wide random vectors have a variance of about $d_k$ and
+# push the softmax into a region where one weight is nearly 1 and the gradients nearly vanish.
+#
+# `MultiHeadAttention` computes this with torch's `scaled_dot_product_attention`, which picks a
+# fused kernel and never shows the weights. Set `keep_weights` and it takes the formula above
+# instead, keeping the softmax's output in `.weights`; the two give the same result.
+
+# %%
+attention = MultiHeadAttention(d_model, h, self_attention=True).eval()
+x = torch.randn(B, T, d_model)
+fast = attention(x)
+attention.keep_weights = True
+written_out = attention(x)
+print("input  x:", tuple(x.shape), "  (B, T, d_model)")
+print("output  :", tuple(fast.shape), "  (B, T, d_model)")
+print("weights :", tuple(attention.weights.shape), "(B, h, T, T): one T x T map per sentence and head")
+print("each row of weights sums to 1:", torch.allclose(attention.weights.sum(-1), torch.ones(B, h, T)))
+print("fused kernel == formula:", torch.allclose(fast, written_out, atol=1e-6))
+
+# %% [markdown]
+# ## Multi-head attention (section 3.2.2)
+#
+# Rather than one attention over $d_\text{model}$-wide vectors, the model projects queries, keys and
+# values $h$ times into $d_k = d_\text{model}/h$ dimensions, attends in each of these heads in
+# parallel, concatenates the heads and projects the result back:
+#
+# $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W^O,
+#   \qquad \mathrm{head}_i = \mathrm{Attention}(QW_i^Q, KW_i^K, VW_i^V)$$
+#
+# The total cost is about that of one head of full width, and each head can attend to something
+# else. In code the $h$ projections of each kind are one matrix, split into heads by reshaping;
+# self-attention (queries, keys and values from the same sequence) computes all three in a single
+# matmul, and source attention, the decoder's attention over the encoder's output, projects queries
+# from the decoder and keys and values from the memory. Decoding computes the memory's keys and
+# values once per sentence (`memory_heads`) and reuses them at every step.
+
+# %%
+source_attention = MultiHeadAttention(d_model, h, self_attention=False).eval()
+memory = torch.randn(B, 7, d_model)  # an encoder output of 7 source tokens
+k, v = source_attention.memory_heads(memory)
+for name, module in (("self-attention", attention), ("source attention", source_attention)):
+    print(name, {n: tuple(p.shape) for n, p in module.named_parameters()})
+print("memory:", tuple(memory.shape), "-> keys", tuple(k.shape), "and values", tuple(v.shape), " (B, h, S, d_k)")
+print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_attention(x, memory).shape))
+
+# %% [markdown]
+# ## Masks
+#
+# Two things must stay invisible to attention. Padding: sentences of a batch are right-padded with
+# `<blank>` to one length, and no query may attend to a padded key. The model builds a boolean
+# mask, True where a key is real, shaped `(B, 1, 1, S)` so that it broadcasts over heads and
+# queries. The future: when training, the decoder sees the whole target at once, shifted right by
+# `<s>`, and position $i$ must not attend to positions after $i$, or it would read the token it is
+# asked to predict. That causal mask is lower triangular; torch's kernels build it themselves from
+# `is_causal`, so here it shows in the decoder's weights.
+
+# %%
+tiny = dict(d_model=d_model, d_ff=d_ff, h=h, dropout=0.0, tie_embeddings=True)
+model = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **tiny).eval()
+src_mask = model.src_mask(tokens)
+print("source mask", tuple(src_mask.shape), "of the two sentences above:")
+print(src_mask[:, 0, 0].int())
+
+layer = model.decoder.layers[0]
+layer.self_attn.keep_weights = layer.src_attn.keep_weights = True
+with torch.no_grad():
+    model(tokens, tokens)
+fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+axes[0].imshow(src_mask[:, 0, 0], cmap="Greys_r")
+axes[0].set(title="padding mask (white: a real key)", xlabel="key position", ylabel="sentence", yticks=[0, 1])
+axes[1].imshow(layer.self_attn.weights[1, 0], cmap="viridis")
+axes[1].set(title="decoder self-attention: causal", xlabel="key position", ylabel="query position")
+axes[2].imshow(layer.src_attn.weights[1, 0], cmap="viridis")
+axes[2].set(title="source attention: padding hidden", xlabel="source position", ylabel="query position")
+fig.tight_layout()
+
+# %% [markdown]
+# The second sentence has two padded positions: in source attention, their columns get no weight;
+# in self-attention, everything above the diagonal gets none.
+
+# %% [markdown]
+# ## Feed-forward networks and sub-layer connections (sections 3.3 and 3.1)
+#
+# Between attentions, each position goes through the same two-layer network on its own, widening
+# to $d_{ff}$ and back:
+#
+# $$\mathrm{FFN}(x) = \max(0, xW_1 + b_1)\,W_2 + b_2$$
+#
+# Every sub-layer, attention or feed-forward, is wrapped by `Residual`: dropout on the sub-layer's
+# output, a residual connection, and a layer normalization.
+
+# %%
+ffn = FeedForward(d_model, d_ff)
+print("FFN:", ffn.w_1, "->", ffn.w_2, "; shape in", tuple(x.shape), "out", tuple(ffn(x).shape))
+print(inspect.getsource(Residual.forward))
+
+# %% [markdown]
+# ## Pre-norm and post-norm
+#
+# The paper normalizes after the residual sum, $\mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$
+# ("post-norm", `model.norm: post`). The Annotated Transformer, like most later code, normalizes the
+# sub-layer's input instead, $x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$ ("pre-norm",
+# `model.norm: pre`), and adds a final LayerNorm to each stack. Pre-norm leaves an unnormalized
+# path from the embeddings to the top of the stack, which makes deep models train stably without
+# a careful warmup (Xiong et al., 2020); this project's default recipe uses it.
+#
+# The difference shows in the residual stream of an untrained 6-layer encoder: post-norm brings
+# every layer's output back to unit scale, pre-norm lets the sum grow layer by layer.
+
+# %%
+src = torch.randint(4, 10, (8, 12))
+print("layer   post-norm std   pre-norm std")
+scales = {}
+for norm in ("post", "pre"):
+    deep = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=6, norm=norm, **tiny).eval()
+    outputs = []
+    for encoder_layer in deep.encoder.layers:
+        encoder_layer.register_forward_hook(lambda module, args, out, kept=outputs: kept.append(out.std().item()))
+    with torch.no_grad():
+        deep.encode(src, deep.src_mask(src))
+    scales[norm] = outputs
+for i, (post, pre) in enumerate(zip(scales["post"], scales["pre"]), 1):
+    print(f"{i:5d}   {post:13.2f}   {pre:12.2f}")
+
+# %% [markdown]
+# ## The whole model: make_model
+#
+# `make_model` is the one place a model is built: from params.yaml's `model` section (or a model
+# file's saved config), with Xavier-uniform initial weights on every matrix. With
+# `tie_embeddings`, the source embedding, the target embedding and the final projection onto the
+# vocabulary share one matrix, as in section 3.4. The paper's base model, on a shared vocabulary
+# of 37,000 BPE pieces, is counted below without allocating it (on torch's `meta` device). The
+# paper gives 65M parameters for it (Table 3); the default recipe of this project is much smaller.
+
+# %%
+paper_base = dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, norm="post", tie_embeddings=True)
+with torch.device("meta"):
+    base = make_model(src_vocab=37000, tgt_vocab=37000, pad=PAD, **paper_base)
+print(f"paper's base model, shared 37k vocabulary: {count_parameters(base) / 1e6:.1f}M parameters")
+
+recipe = load_params("params.yaml").model
+with torch.device("meta"):
+    ours = make_model(recipe, src_vocab=8000, tgt_vocab=8000, pad=PAD)
+print(
+    f"this project's default (N={recipe.N}, d_model={recipe.d_model}, h={recipe.h}, 8k BPE): "
+    f"{count_parameters(ours) / 1e6:.1f}M parameters"
+)
+
+# %% [markdown]
+# ## Batches by token count (section 5.1)
+#
+# The paper groups sentence pairs of similar length and fills each batch up to a number of tokens
+# (about 25,000 source and 25,000 target tokens), not of sentences. Each batch is padded to its
+# longest sentence, so sorting by length wastes far less on padding than drawing sentences at
+# random. `token_batches` sorts pairs by length (shuffling pairs of equal length with a seed),
+# cuts the order into batches whose padded size stays within `max_tokens`, and shuffles the order
+# of the batches. `ParallelCorpus` holds the token ids; here it is filled with random "sentences"
+# of 1 to 40 tokens.
+
+
+# %%
+def random_corpus(pairs: int, longest: int, words: int, seed: int) -> ParallelCorpus:
+    """`pairs` copies of random sentences of 1 to `longest` tokens drawn from `words` ids after the specials."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (pairs,), generator=g)
+    ids = torch.randint(len(SPECIALS), len(SPECIALS) + words, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return ParallelCorpus(data={"src": ids, "src_offsets": offsets, "tgt": ids, "tgt_offsets": offsets})
+
+
+def padding_share(corpus: ParallelCorpus, batches: list[list[int]]) -> float:
+    slots = sum(b * s for b, s, _ in (corpus.shape(index) for index in batches))
+    return 1 - sum(int(corpus.src_lens[index].sum()) for index in batches) / slots
+
+
+corpus = random_corpus(pairs=5000, longest=40, words=1000, seed=1)
+by_length = token_batches(corpus.src_lens, corpus.tgt_lens, max_tokens=1000, seed=1)
+order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(1)).tolist()
+size = len(corpus) // len(by_length)
+at_random = [order[i : i + size] for i in range(0, len(order), size)]
+print(f"{len(corpus)} pairs in {len(by_length)} batches of at most 1,000 padded tokens a side")
+print(f"padding, batches by length : {padding_share(corpus, by_length):.1%} of the source slots")
+print(f"padding, same batch sizes at random: {padding_share(corpus, at_random):.1%}")
+batch = corpus.batch(by_length[0])
+print("one batch: src", tuple(batch.src.shape), "tgt_in", tuple(batch.tgt_in.shape), "target tokens", batch.ntokens)
+print("a row of it:\n src    ", batch.src[0].tolist(), "\n tgt_in ", batch.tgt_in[0].tolist())
+print(" tgt_out", batch.tgt_out[0].tolist())
+
+# %% [markdown]
+# The source ends with `</s>` (id 1); the decoder's input starts with `<s>` (id 0) and its expected
+# output is the same sentence shifted one to the left, ending with `</s>`. `ntokens` counts the
+# target tokens that are not padding, the number the loss is divided by.
+
+# %% [markdown]
+# ## The learning rate (section 5.3)
+#
+# Adam with $\beta_1 = 0.9$, $\beta_2 = 0.98$, $\epsilon = 10^{-9}$, and a rate that grows linearly
+# for `warmup` updates and then decays with the inverse square root of the update number:
+#
+# $$lrate = d_\text{model}^{-0.5} \cdot \min(step^{-0.5},\ step \cdot warmup^{-1.5})$$
+#
+# `rate` scales this by `factor` and can end with a linear cooldown over the last `cooldown`
+# share of the `total` updates. Left: the paper's base model (4,000 warmup updates of 100,000).
+# Right: this project's default recipe, read from params.yaml, over the updates its reference run
+# made (`reports/train/train.json`).
+
+# %%
+train = load_params("params.yaml").train
+total = json.loads(open("reports/train/train.json").read())["steps"]
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2))
+steps = range(1, 100_001, 100)
+left.plot(steps, [rate(s, 512, 1.0, 4000) for s in steps])
+left.set(xlabel="update", ylabel="learning rate", title="paper: d_model 512, warmup 4000")
+steps = range(1, total + 1)
+schedule = dict(d_model=recipe.d_model, factor=train.factor, warmup=train.warmup)
+right.plot(steps, [rate(s, **schedule) for s in steps], ":", label="no cooldown")
+right.plot(steps, [rate(s, **schedule, total=total, cooldown=train.cooldown) for s in steps], label="cooldown")
+right.set(xlabel="update", title="default recipe: " + ", ".join(f"{k} {v}" for k, v in schedule.items()))
+right.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# ## Label smoothing (section 5.4)
+#
+# The loss does not ask for all the probability on the reference token: with smoothing
+# $\epsilon_{ls} = 0.1$, the target keeps $1 - \epsilon_{ls}$ on it and spreads $\epsilon_{ls}$
+# over the vocabulary. It hurts perplexity, the paper says, and improves BLEU.
+#
+# `smoothed_cross_entropy` spreads the mass over every column, as torch's `label_smoothing` does;
+# with `zero_pad` (`train.smoothing_zeroes_pad`) it spreads it over the columns that are neither
+# the reference token nor `<blank>`, as the Annotated Transformer does. The target distribution is
+# not stored anywhere, but the loss's gradient with respect to the logits is the model's
+# distribution minus the target, so the target can be read back from the loss itself:
+
+# %%
+vocab, smoothing = 8, 0.4  # a large smoothing, for the picture's sake
+gold = torch.tensor([4, 5, 6, 3])
+fig, axes = plt.subplots(1, 2, figsize=(10, 2.8))
+for ax, zero_pad in zip(axes, (False, True)):
+    logits = torch.zeros(len(gold), vocab, requires_grad=True)
+    smoothed_cross_entropy(logits, gold, PAD, smoothing, zero_pad).backward()
+    target = logits.softmax(-1) - logits.grad  # the gradient is softmax(logits) - target
+    ax.imshow(target.detach(), cmap="Blues", vmin=0, vmax=1)
+    ax.set(title=f"zero_pad={zero_pad}", xlabel="token id (2: <blank>)", ylabel="row")
+    print(f"zero_pad={zero_pad}: row 0 =", [round(p, 3) + 0.0 for p in target[0].tolist()])  # + 0.0: no -0.0
+fig.tight_layout()
+
+# %% [markdown]
+# ## A first example: learning to copy
+#
+# A task a small model learns in seconds: given a random sequence of symbols, output the same
+# sequence. It exercises everything above: token batches, the schedule (with a cooldown, which
+# lets this short run settle), the loss summed over target tokens and divided by their number,
+# and the model's forward pass. The training loop below is the bare minimum; the pipeline's own
+# (`transformer/training/`) adds gradient accumulation, several processes, mixed precision,
+# checkpoints and validation.
+
+# %%
+copies = random_corpus(pairs=4000, longest=6, words=8, seed=2)
+vocab = len(SPECIALS) + 8
+toy = dict(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, norm="pre", tie_embeddings=True)
+copier = make_model(src_vocab=vocab, tgt_vocab=vocab, pad=PAD, **toy)
+optimizer = torch.optim.Adam(copier.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+updates, update, epoch = 500, 0, 0
+while update < updates:
+    for index in token_batches(copies.src_lens, copies.tgt_lens, max_tokens=600, seed=epoch)[: updates - update]:
+        update += 1
+        batch = copies.batch(index)
+        for group in optimizer.param_groups:
+            group["lr"] = rate(update, toy["d_model"], factor=1.0, warmup=100, total=updates, cooldown=0.5)
+        loss = token_loss(copier, copier(batch.src, batch.tgt_in), batch.tgt_out, PAD, smoothing=0.0)
+        optimizer.zero_grad()
+        (loss / batch.ntokens).backward()
+        optimizer.step()
+        if update % 100 == 0:
+            print(f"update {update}: loss {loss.item() / batch.ntokens:.3f} per token")
+    epoch += 1
+
+# %% [markdown]
+# ## Decoding (section 6.1)
+#
+# The model writes a translation token by token. Greedy search takes the most probable next token
+# each time. Beam search keeps the `beam` best partial hypotheses, and ranks the finished ones by
+# their log-probability divided by GNMT's length penalty $((5 + |Y|)/6)^\alpha$ (the paper: beam 4,
+# $\alpha = 0.6$). Both work on any model with `start` and `step`: the encoder runs once, and each
+# step feeds the decoder only the last token, with every layer's keys and values of the earlier
+# ones cached. Each output has a length limit, here its source's length (with `</s>`) plus 2.
+
+# %%
+copier.eval()
+test = random_corpus(pairs=200, longest=6, words=8, seed=3)
+batch = test.batch(list(range(len(test))))
+limit = test.src_lens + 2
+found = greedy(copier, batch.src, limit, BOS, EOS)
+wanted = [row[row != PAD][:-1].tolist() for row in batch.tgt_out]  # each target without its </s>
+print(f"greedy: {sum(f == w for f, w in zip(found, wanted))} of {len(test)} new sequences copied exactly")
+for f, w in list(zip(found, wanted))[:3]:
+    print("  source", w, "-> output", f)
+nbest = beam_search_nbest(copier, batch.src[:1], beam=4, alpha=0.6, max_len=limit[:1], bos=BOS, eos=EOS, nbest=4)
+print("beam 4, the hypotheses of", wanted[0], "best first:")
+for hypothesis in nbest[0]:
+    print(f"  {hypothesis.tokens}  log P = {hypothesis.log_prob:.3f}")
+
+# %% [markdown]
+# Source attention of the trained copier on one sequence: each output position looks at the
+# source position it copies, so the weights form a diagonal.
+
+# %%
+last = copier.decoder.layers[-1].src_attn
+last.keep_weights = True
+with torch.no_grad():
+    copier(batch.src[:1], batch.tgt_in[:1])
+last.keep_weights = False
+n = int(test.src_lens[0])
+fig, axes = plt.subplots(1, toy["h"], figsize=(11, 2.8))
+for head, ax in enumerate(axes):
+    ax.imshow(last.weights[0, head, :n, :n], cmap="viridis", vmin=0, vmax=1)
+    ax.set(title=f"head {head + 1}", xlabel="source position", ylabel="output position" if head == 0 else "")
+fig.tight_layout()
+
+# %% [markdown]
+# ## The real run: Multi30k
+#
+# The pipeline (`dvc repro`) trains the same code on Multi30k with the default recipe of
+# params.yaml, whose main choices are printed below, on 2 CPU cores. The repository commits that
+# reference run's scores; each comes with its sacreBLEU signature, which says exactly how it was
+# computed (tokenizer, casing, smoothing, sacreBLEU's version), so that it can be compared with
+# another figure.
+
+# %%
+params = load_params("params.yaml")
+print(f"{params.data.corpus} {params.data.src_lang}->{params.data.tgt_lang}, {params.vocab.kind} {params.vocab.size}")
+print(f"model: N={recipe.N}, d_model={recipe.d_model}, d_ff={recipe.d_ff}, h={recipe.h}, {recipe.norm}-norm")
+print(f"train: {train.epochs} epochs of {train.max_tokens} tokens a batch, label smoothing {train.label_smoothing}")
+print(f"last {params.average.last_k} checkpoints averaged, beam {params.decode.beam}, alpha {params.decode.alpha}")
+print()
+scores = json.loads(open("reports/scores.json").read())
+signatures = json.loads(open("reports/signatures.json").read())
+for testset, metrics in scores.items():
+    print(testset)
+    for metric, value in metrics.items():
+        print(f"  {metric:12s} {value:6.2f}   {signatures[testset][metric]}")
+
+# %% [markdown]
+# The `figures` stage draws the trained model's attention on sentences of the validation set.
+# Encoder self-attention, decoder self-attention and source attention in the last layer, every
+# head, for the first of them:
+#
+# ![Encoder self-attention of the trained Multi30k model](../reports/figures/attention_1_encoder.png)
+#
+# ![Decoder self-attention of the trained Multi30k model](../reports/figures/attention_1_decoder.png)
+#
+# ![Source attention of the trained Multi30k model](../reports/figures/attention_1_source.png)
+#
+# And the reference run's learning rate and loss, as its training logged them:
+#
+# ![The reference run's learning rate](../reports/figures/lr_schedule.png)
+#
+# ![The reference run's training and validation loss](../reports/figures/loss.png)
+#
+# ## What the pipeline adds
+#
+# The cells above are the model; the pipeline around it makes a run repeatable and cheap to redo:
+#
+# - **Caching.** Every stage (download, tokenize, vocabulary, train, average, decode, score) is a
+#   DVC stage whose inputs and params are hashed: change `decode.beam` and only decoding and
+#   scoring run again. See [the pipeline and its params](pipeline.md).
+# - **Resuming.** Training writes checkpoints as it goes; an interrupted run continues from the
+#   last one to the same weights it would have reached uninterrupted. See [reliability](reliability.md).
+# - **Tracking.** Every training is an MLflow run with its params, curves and model, every
+#   evaluation a run nested under it; `dvc exp` compares recipes. See
+#   [experiments and MLflow](tracking.md).
+# - **Scale.** The same code trains under `torchrun` on several processes, GPUs and nodes, with
+#   batches that do not depend on how they are split. See [training at scale](scale.md).
+# - **Using the model.** `transformer translate` and the [Python API](reference.md) take raw text
+#   and give raw text; the model file carries its vocabulary and params. See
+#   [using a trained model](using-a-model.md).

@@ -1,0 +1,56 @@
+"""The documentation site builds with every internal link checked (mkdocs --strict), and reads offline:
+no page loads a script, a style or a font from the network, the math is MathML, the API page is
+generated from the docstrings and every figure a page shows is in the site."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=os.environ | {"NO_MKDOCS_2_WARNING": "1"},
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    return out
+
+
+def test_no_page_loads_anything_from_the_network(site):
+    for page in site.rglob("*.html"):
+        html = page.read_text()
+        remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"', html)
+        assert not remote, f"{page.relative_to(site)} loads {remote[:3]}"
+
+
+def test_the_math_is_mathml_and_every_figure_is_in_the_site(site):
+    page = site / "annotated" / "index.html"
+    html = page.read_text()
+    assert html.count("<math") >= 5
+    assert "arithmatex" not in html, "math left for a script to render"
+    images = re.findall(r'<img[^>]+src="([^"]+)"', html)
+    assert any("reports/figures/" in src for src in images) and any("figure-" in src for src in images)
+    for src in images:
+        assert (page.parent / src).resolve().is_file(), f"the annotated page shows a missing {src}"
+
+
+def test_the_api_page_is_generated_from_the_docstrings(site):
+    html = re.sub(r"<[^>]+>", "", (site / "reference" / "index.html").read_text())
+    for name in ("Translator", "translate", "load", "save_model", "ctranslate2_translate"):
+        assert name in html
+    assert "Raw text in, raw text out." in html  # Translator.translate's docstring

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # Pack a batch side whose real tokens fill less than this share of its positions: below it packing
-# gains, above it gathering the tokens costs more than the padding it skips (bench/packing.py).
+# gains, above it gathering the tokens costs more than the padding it skips (docs/experiments.md).
 PACK_BELOW = 0.8
 
 

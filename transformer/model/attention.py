@@ -20,12 +20,12 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     """How training computes attention.
 
     On a CPU under bf16 autocast, from its formula (_written_out). torch's flash kernel is slower
-    there at Multi30k's lengths (bench/bench.py times it: row f against row e), and its math kernel,
+    there at Multi30k's lengths (bench/bench.py times it: torch-attention-bf16 against plain-bf16), and its math kernel,
     besides copying bf16 queries, keys and values to float32 unless told not to, scales queries and
     keys apiece, turns a boolean mask into an additive one on every call and makes its softmax safe
     for rows that attend to nothing (no batch has one: every sentence ends with </s>), each a pass
     of its own; written out, the scores are scaled and masked in place, and their softmax taken in
-    float32 (_Softmax; bench/attention_bf16.py).
+    float32 (_Softmax; docs/experiments.md).
     In float32, torch's choice (flash), as before.
 
     On CUDA, torch prefers cuDNN's kernel for a masked attention (flash takes no mask), and cuDNN
@@ -142,7 +142,7 @@ class _Softmax(torch.autograd.Function):
 
     torch's CPU softmax runs bf16 rows several times slower than float32 ones unless their length
     is a multiple of a bf16 vector's (32 values with AVX-512), its backward more so, and float32
-    rows shorter than a vector register slower too (bench/attention_bf16.py --softmax-table);
+    rows shorter than a vector register slower too (docs/experiments.md);
     attention's rows are a sentence long.
     So the scores are copied to float32, rows shorter than _ROW padded with -inf (their weights
     and gradients are 0), the weights kept in float32 for the backward, and the weights and the

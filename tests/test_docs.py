@@ -204,6 +204,35 @@ def test_the_readme_is_a_front_page():
         assert f"(docs/{page.name})" in readme, f"README links no {page.name}"
 
 
+DATE = r"\b20\d\d-\d\d-\d\d\b"
+COMMIT = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # hex with a letter and a digit
+ISSUE = r"(?<![\w/&])#\d+\b"
+HOST_TABLE = ("<!-- host classes -->", "<!-- /host classes -->")  # speed.md's: a class's bench peaks
+
+
+def docs_page_problems(text: str) -> list[str]:
+    """What a page of docs/ must not hold: dates (but for the experiments table's date column), commit
+    ids, issue numbers, and bench peaks outside speed.md's table of host classes."""
+    if HOST_TABLE[0] in text:
+        text = text.split(HOST_TABLE[0])[0] + text.split(HOST_TABLE[1])[1]
+    text = re.sub(rf"^\| {DATE}[^|]*\|", "|", text, flags=re.M)  # the experiments table's date column
+    checks = {"a date": DATE, "a commit id": COMMIT, "an issue number": ISSUE, "a bench peak": r"GFLOP"}
+    return [f"{what}: {m[0]!r}" for what, pattern in checks.items() for m in [re.search(pattern, text)] if m]
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_docs_page_names_no_date_commit_issue_or_bench_peak_outside_the_host_table(page):
+    assert docs_page_problems(page.read_text(encoding="utf-8")) == [], page.name
+
+
+def test_the_docs_rule_catches_what_it_is_for():
+    assert docs_page_problems("| 2026-11-21 | a trial | kept |\n") == []  # the experiments table's date column
+    assert docs_page_problems("1000001 characters; a 0.80 fill") == []
+    for bad in ("measured on 2026-11-21", "the code at 6c41217", "after #81's work", "peaks 333 GFLOP/s"):
+        assert docs_page_problems(bad), bad
+    assert docs_page_problems("<!-- host classes -->\n| x | 333 GFLOP/s |\n<!-- /host classes -->\n") == []
+
+
 @pytest.mark.slow
 def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(tmp_path):
     """docs/scale.md's commands for node 0 and node 1, with node0 and its port made local: two

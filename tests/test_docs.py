@@ -153,6 +153,8 @@ def check(argv: list[str]) -> None:
             return
         if argv[1:2] == ["-m"]:
             assert importlib.util.find_spec(argv[2]), f"no module {argv[2]}"
+            if argv[2].startswith("bench."):  # our scripts, run as modules: their options too
+                _check_options(argv[2], argv[3:], _click_options(importlib.import_module(argv[2]).main))
             return
         (script,) = scripts
         assert (ROOT / script).is_file(), f"no script {script}"
@@ -185,6 +187,8 @@ def test_the_checker_catches_what_it_is_for():
         "python stages/train.py --vocab data/vocab --referencess x",
         "dcv repro",
         "python -c 'from transformer.training.train import no_such_helper'",
+        "python -m bench.bench --quik",
+        "python -m bench.no_such_script",
     ):
         with pytest.raises((AssertionError, pytest.fail.Exception)):
             for argv in simple_commands(bad):

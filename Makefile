@@ -39,12 +39,12 @@ docs/annotated.md: docs/annotated.py docs/tools/render.py $(shell find transform
 	python docs/tools/render.py
 
 bench: $(VENV)/.installed
-	python bench/bench.py
+	python -m bench.bench
 
 # The data path at WMT14 scale (4.5M pairs, about 6 GB of disk); PAIRS=200000 for a smaller run.
 PAIRS ?= 4500000
 bench-scale: $(VENV)/.installed
-	python bench/scale.py --pairs $(PAIRS)
+	python -m bench.scale --pairs $(PAIRS)
 
 # Switch recipe: make preset P=multi30k_en_de (see params/; P=multi30k_de_en is the default).
 # It builds params.yaml from the default and the preset and swaps the run records (dvc.lock,

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 11 minutes on 2 cores; --quick: about 1.5 minutes, small size only):
 
-    python bench/bench.py [--quick] [--vocab-dir data/vocab] [--out reports/bench.json]
+    python -m bench.bench [--quick] [--vocab-dir data/vocab] [--rows plain-fp32,plain-bf16] [--out reports/bench.json]
 
 It prints one table and writes all figures, with the machine's description, to reports/bench.json.
 
@@ -12,72 +12,45 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
 - matmul peak: a 2048×2048 matmul repeated after warm-up, fp32 and bf16, in GFLOP/s. It is
   the denominator of MFU (model FLOPs utilization) for rows of that dtype.
 - training, target tokens/s and MFU, a few warm-up updates then timed updates (Adam, fused
-  for ours as in training, label smoothing 0.1, dropout on); batches are built before the clock starts:
-    a. ours, 256 sentences: transformer.model.model.make_model + transformer.training.loss.batch_loss,
-       fp32, 256 random sentences padded to the batch's longest (ParallelCorpus.batch). They
-       are about 45% real tokens, so the model packs both sides (transformer.kernels.packing).
-    b. baseline, 256 sentences: bench/baseline.py (the seed's way of computing the same
-       model) on the very same batches as a.
-    c. ours, token batches: the project's default batching, token_batches with
-       max_tokens = 3000 (train.max_tokens), fp32.
-    d. baseline, seed recipe: 32 sentences padded to a fixed 72 tokens, as the seed trains
-       (without its gradient accumulation, which changes the update count, not the speed).
-    e. ours, token batches, bf16: c under torch.autocast("cpu", dtype=torch.bfloat16), with the
-       attention kernels training picks for it (transformer.model.attention.attention_kernels).
-    f. ours, token batches, bf16, torch's default attention kernel (flash on this CPU): what
-       the choice in e buys.
-    r. ours, token batches, R-Drop: c with train.rdrop 5.0, each batch run twice in one forward
-       (transformer.training.loss.rdrop_loss), fp32. Its tokens/s counts each batch's tokens once: the
-       speed through the corpus, against c's. Its MFU credits both passes.
-    s. ours, token batches, R-Drop, bf16: r under e's autocast, against e: what R-Drop costs
-       where training runs in bf16.
-    t. ours, token batches, with glibc's malloc defaults: c with the large blocks mapped and
-       unmapped each update, as glibc does unless told otherwise; every other row of ours keeps
-       freed memory for reuse, as training does on glibc's malloc (transformer.kernels.memory.keep_freed_memory),
-       and the baseline's rows run with glibc's defaults, as the seed does.
-    u. the same against e, in bf16.
-    m. c on batches padded to multiples of 8 tokens a side (train.pad_multiple 8), batched for it
-       (fewer sentences where rounding up outgrows max_tokens). Against c: what the padding costs.
-    n. m under torch.compile (train.compile: the model, its generator and the loss, inductor,
-       sizes symbolic), compiled in its warm-up updates. Against m: compile on and off, same batches.
-    o. the same as m against e, in bf16.
-    p. the same as n against o, in bf16.
-  The bench runs with the memory settings training runs with (transformer.kernels.memory.training_memory):
-  oneDNN's kernel cache limited, and mimalloc where it is installed, where rows t and u, which
-  are about glibc's settings, are left out; TRANSFORMER_ALLOCATOR=glibc runs every row on glibc's.
-  bench/allocators.py sets them side by side with glibc's heap and oneDNN's default cache.
-    v. r with a shared encoder (train.rdrop_shared_encoder): the batch is encoded once and
-       decoded twice, so the two passes differ in the decoder's dropout alone. Against r.
-       Its MFU credits one encoder pass and two decoder passes.
-    w. the same against s, in bf16.
-    x. r on half of each batch's sentences (train.rdrop_share 0.5): the drawn half runs twice,
-       the other half once. Against r. Its MFU credits 1.5 passes, the mean over the draws.
-    y. the same against s, in bf16.
-  The ratio compares a with b (same batches: the model's code alone), c, e, f with d (the
-  project's training recipe against the seed's), r with c and s with e (what R-Drop costs in
-  fp32 and in bf16), t with c and u with e (what keeping freed memory buys, as their inverse),
-  v with r and w with s (what sharing the encoder pass saves R-Drop), x with r and y with s
-  (what R-Drop on half the sentences saves), m with c and o with e (what padding to 8 costs), n with
-  m and p with o (what torch.compile gains on those batches).
-  Rows e, f, o, p, s, u, w and y, and the bf16 peak, are left out on a CPU without bf16
-  hardware (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed
-  and training runs in fp32 (train.precision: auto).
-- decoding, target tokens/s and sentences/s, untrained models in eval mode, on source
-  sentences of test2016-like lengths: ours greedy and beam 4 (transformer.decoding.search, batched by
-  length as transformer.decoding.translate does), and the baseline's greedy, one sentence at a time,
-  re-running the decoder over the whole prefix. An untrained model may never (or at once)
-  emit </s>, so every search gets eos = -1, an id no token has: each sentence is decoded to
-  exactly its max length, source length + 5, for ours and the baseline alike.
+  for ours as in training, label smoothing 0.1, dropout on); batches are built before the clock
+  starts. Each row (TRAIN_ROWS) changes one thing from the row it is compared with:
+    ours-256, baseline-256: 256 random sentences padded to the batch's longest, about 45% real
+      tokens (so ours packs both sides), ours (make_model + StepLoss) against bench/baseline.py,
+      the seed's way of computing the same model, on the very same batches: the code alone.
+    plain-fp32, plain-bf16: the project's default batching (token_batches, train.max_tokens),
+      a plain update in fp32, and in bf16 autocast with training's attention kernels; against
+    seed-recipe: the baseline on 32 sentences padded to a fixed 72 tokens, as the seed trains.
+    torch-attention-bf16: plain-bf16 with torch's default attention kernel (flash on a CPU).
+    rdrop-*: R-Drop (α RDROP) in one forward of both passes; tokens/s counts a batch's tokens
+      once (the speed through the corpus), MFU credits both passes. rdrop-shared-* encode once
+      and decode twice (train.rdrop_shared_encoder); rdrop-half-* run half the sentences twice
+      (train.rdrop_share 0.5, 1.5 passes credited), as the default recipe does.
+    glibc-*: the plain update on glibc's malloc defaults, large blocks mapped and unmapped each
+      update; every other row of ours keeps freed memory as training does on glibc
+      (keep_freed_memory), and the baseline's rows run with glibc's defaults, as the seed does.
+    pad8-*: batch sides padded to multiples of 8 tokens (train.pad_multiple 8), batched for it;
+      compiled-*: the same under torch.compile (train.compile; inductor, sizes symbolic),
+      compiled in its warm-up updates.
+  The bench runs with training's memory settings (training_memory: oneDNN's kernel cache
+  limited, mimalloc where installed, where the glibc rows are left out; TRANSFORMER_ALLOCATOR=glibc
+  runs every row on glibc's). The bf16 rows and peak are left out on a CPU without bf16 hardware
+  (AVX512_BF16 or AMX), where torch emulates bf16 at a few percent of fp32's speed and training
+  runs in fp32 (train.precision: auto).
+- decoding, target tokens/s and sentences/s, untrained models in eval mode, on source sentences
+  of test2016-like lengths: ours greedy and beam (batched by length as translate does) against
+  the baseline's greedy, one sentence at a time, re-running the decoder over the whole prefix.
+  Every search gets eos = -1, an id no token has, so each sentence is decoded to exactly its max
+  length, source length + 5, for ours and the baseline alike.
+- --model: a trained model's decoding instead, ours against its CTranslate2 export, fp32 and int8.
 
 Data: by default a synthetic corpus with the size and length distribution of Multi30k de-en
 under joint BPE 8000 (29,000 pairs; source ≈ 14.8 ± 5.4 tokens, target ≈ 14.3 ± 4.8; random
 ids in [4, 8000), joint vocabulary, tied embeddings), seeded, so runs are comparable.
 --vocab-dir takes the build_vocab stage's output instead (vocab.pt and train.pt) for real
 token ids; ours then ties embeddings only if the vocabulary is joint (bpe). The baseline never
-ties, as in the seed: that changes the parameter count, not the FLOPs.
-
-The baseline rows time the model's update or search alone: the seed's own loop also
-tokenizes with spaCy inside its DataLoader, so it runs slower than row b or d.
+ties, as in the seed: that changes the parameter count, not the FLOPs. The baseline rows time
+the model's update or search alone: the seed's own loop also tokenizes with spaCy inside its
+DataLoader, so it runs slower than baseline-256 or seed-recipe.
 
 Other processes on the machine slow every row, small-op rows (decoding, 32-sentence batches)
 the most, as their threads lose the cores. The column "others" is how many cores other
@@ -86,65 +59,52 @@ processes kept busy meanwhile (from /proc/stat); a warning follows the table abo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import os
 import platform
-import random
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import click
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # baseline.py sits beside this script, outside the package
-import baseline  # noqa: E402
+from bench import baseline
+from bench.common import (
+    PARAMS,
+    RDROP,
+    ROOT,
+    SEED,
+    SIZES,
+    VOCAB_DIR,
+    Data,
+    Size,
+    Step,
+    load_data,
+    matmul_peak,
+    ours_model,
+    ours_step,
+    train_flops,
+    training_batches,
+)
+from transformer.data.batching import Batch, ParallelCorpus
+from transformer.data.vocab import BOS, PAD
+from transformer.decoding.search import beam_search
+from transformer.decoding.translate import batched_search
+from transformer.evaluation.system import hardware
+from transformer.io import write_json
+from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory
+from transformer.training.distributed import use_bf16
 
-from transformer.config import load_params  # noqa: E402
-from transformer.data.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
-from transformer.data.vocab import BOS, PAD, load_vocabs  # noqa: E402
-from transformer.decoding.search import beam_search  # noqa: E402
-from transformer.decoding.translate import batched_search  # noqa: E402
-from transformer.evaluation.system import hardware  # noqa: E402
-from transformer.io import write_json  # noqa: E402
-from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory  # noqa: E402
-from transformer.kernels.select import attention_kernels  # noqa: E402
-from transformer.model.model import Transformer, make_model  # noqa: E402
-from transformer.training.distributed import use_bf16  # noqa: E402
-from transformer.training.train import StepLoss, compiled, make_optimizer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-PARAMS = load_params(ROOT / "params.yaml")  # the default recipe's batching, smoothing and decoding
-SEED = 1234
-SYNTHETIC_VOCAB = 8000
-MULTI30K_TRAIN = 29_000  # sentence pairs
-SEED_PADDING = 72  # the seed recipe's fixed length, source and target with <s> and </s>
 NO_EOS = -1  # an id no token has: searches run every sentence to its max length
 EXTRA = 5  # decoded length = source length + EXTRA
 MAX_BATCHES = 40  # built per training row, warm-up included
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LEARNING_RATE = 1e-4  # training's schedule sets one per update; a fixed one times the same work
-COMPILE_BACKEND = "inductor"  # train.compile's (transformer.training.train.compiled); tests trace with aot_eager
-
-
-@dataclass(frozen=True)
-class Size:
-    name: str
-    N: int
-    d_model: int
-    d_ff: int
-    h: int
-
-
-SIZES = {"small": Size("small", 3, 256, 1024, 4), "base": Size("base", 6, 512, 2048, 8)}
 
 
 @dataclass(frozen=True)
@@ -163,140 +123,7 @@ FULL = Plan(("small", "base"), (2, 1), (10.0, 20.0), 100, 2.0)
 QUICK = Plan(("small",), (1,), (3.0,), 24, 1.0)
 
 
-@dataclass(frozen=True)
-class Data:
-    corpus: ParallelCorpus
-    src_vocab: int
-    tgt_vocab: int
-    joint: bool
-    origin: str
-
-
-# ---------------------------------------------------------------------------- data
-
-
-def synthetic_lengths(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
-    """Sentence lengths in tokens, without specials, like Multi30k de-en with joint BPE 8000
-    (train: source 14.8 ± 5.4, target 14.3 ± 4.8, longest 52): a right-skewed gamma for the
-    source, the target a noisy linear function of it."""
-    mean, sd = 14.8, 5.4
-    src = [min(60, max(2, round(rng.gammavariate((mean / sd) ** 2, sd * sd / mean)))) for _ in range(n)]
-    tgt = [min(60, max(2, round(0.85 * s + 1.72 + rng.gauss(0.0, 1.4)))) for s in src]
-    return src, tgt
-
-
-def write_synthetic(path: Path, n: int, vocab: int, seed: int) -> None:
-    """A corpus file in the build_vocab stage's format: random ids in [4, vocab) (no specials)."""
-    src_lens, tgt_lens = synthetic_lengths(random.Random(seed), n)
-    g = torch.Generator().manual_seed(seed)
-    data = {}
-    for side, lens in (("src", src_lens), ("tgt", tgt_lens)):
-        data[side] = torch.randint(4, vocab, (sum(lens),), generator=g, dtype=torch.int32)
-        data[f"{side}_offsets"] = torch.cumsum(torch.tensor([0] + lens), 0)
-    torch.save(data, path)
-
-
-def load_data(vocab_dir: Path | None, tmp: Path) -> Data:
-    if vocab_dir is None:
-        path = tmp / "synthetic.pt"
-        write_synthetic(path, MULTI30K_TRAIN, SYNTHETIC_VOCAB, SEED)
-        return Data(ParallelCorpus(path), SYNTHETIC_VOCAB, SYNTHETIC_VOCAB, True, "synthetic, Multi30k-like lengths")
-    src, tgt = load_vocabs(vocab_dir)
-    return Data(
-        ParallelCorpus(vocab_dir / "train.pt"),
-        len(src),
-        len(tgt),
-        src.kind == "bpe",
-        f"{vocab_dir / 'train.pt'} ({src.kind} vocabulary)",
-    )
-
-
-def sentence_batches(corpus: ParallelCorpus, sentences: int, count: int, seed: int) -> list[Batch]:
-    """`count` batches of `sentences` random sentences, each padded to its own longest."""
-    order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [corpus.batch(order[i * sentences : (i + 1) * sentences]) for i in range(count)]
-
-
-def pad_to(batch: Batch, length: int) -> Batch:
-    """The seed's fixed padding: source and <s> target </s> to `length`, so length - 1 after the shift."""
-
-    def pad(t: torch.Tensor, n: int) -> torch.Tensor:
-        return F.pad(t, (0, n - t.size(1)), value=PAD)
-
-    return Batch(pad(batch.src, length), pad(batch.tgt_in, length - 1), pad(batch.tgt_out, length - 1), batch.ntokens)
-
-
-def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch]]:
-    lens = (corpus.src_lens, corpus.tgt_lens)
-    index = token_batches(*lens, PARAMS.train.max_tokens, SEED)[:count]
-    return {
-        "256 sentences": sentence_batches(corpus, 256, count, SEED),
-        "token batches": [corpus.batch(i) for i in index],
-        "token batches to 8": [
-            corpus.batch(i, 8) for i in token_batches(*lens, PARAMS.train.max_tokens, SEED, 8)[:count]
-        ],
-        "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)],
-    }
-
-
-# ---------------------------------------------------------------------------- FLOPs
-
-
-def train_flops(batch: Batch, size: Size, tgt_vocab: int, passes: float = 1, shared_encoder: bool = False) -> float:
-    """Model FLOPs of one training update (forward and backward) on the real tokens of `batch`,
-    run `passes` times (R-Drop's 2; 1.5 on half the sentences, on average), the encoder once with
-    `shared_encoder`.
-
-    Every weight of a matmul costs 6 FLOPs per token it is applied to (2 forward, 4 backward;
-    Kaplan et al. 2020), with S the source tokens (with </s>) and T the target tokens (with </s>):
-        encoder, per source token:  N (4 d_model² + 2 d_model d_ff)
-        decoder, per target token:  N (8 d_model² + 2 d_model d_ff) + d_model V   (V: generator)
-    Attention adds QKᵀ and AV, 2 d_model FLOPs each per (query, attended key) pair and layer,
-    times 3 for training, over the pairs the masks allow, per sentence:
-        12 N d_model (S² + T(T + 1)/2 + T S)   (encoder self, causal decoder self, source)
-    Padding, embedding look-ups, biases, norms, softmax and the optimizer are not counted: MFU
-    credits useful work only, so time spent on padding lowers it."""
-    S = (batch.src != PAD).sum(1).double()  # (B,)
-    T = (batch.tgt_out != PAD).sum(1).double()
-    N, d, d_ff = size.N, size.d_model, size.d_ff
-    encoder = 6 * N * (4 * d * d + 2 * d * d_ff) * S + 12 * N * d * S * S
-    decoder = 6 * (N * (8 * d * d + 2 * d * d_ff) + d * tgt_vocab) * T + 12 * N * d * (T * (T + 1) / 2 + T * S)
-    return float(((1 if shared_encoder else passes) * encoder + passes * decoder).sum())
-
-
-def matmul_peak(dtype: torch.dtype, seconds: float, n: int = 2048) -> float:
-    """GFLOP/s of an n×n by n×n matmul (2 n³ FLOPs), repeated for `seconds` after warm-up."""
-    g = torch.Generator().manual_seed(SEED)
-    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
-    c = torch.empty(n, n, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=c)
-    reps, start = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - start < seconds:
-        torch.mm(a, b, out=c)
-        reps += 1
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
-
-
 # ---------------------------------------------------------------------------- training
-
-Step = Callable[[Batch], torch.Tensor]
-
-
-def ours_model(data: Data, size: Size) -> Transformer:
-    torch.manual_seed(SEED)
-    return make_model(
-        src_vocab=data.src_vocab,
-        tgt_vocab=data.tgt_vocab,
-        N=size.N,
-        d_model=size.d_model,
-        d_ff=size.d_ff,
-        h=size.h,
-        dropout=0.1,
-        norm="pre",
-        tie_embeddings=data.joint,
-        pad=PAD,
-    )
 
 
 def baseline_model(data: Data, size: Size) -> baseline.Baseline:
@@ -304,67 +131,11 @@ def baseline_model(data: Data, size: Size) -> baseline.Baseline:
     return baseline.make_baseline(data.src_vocab, data.tgt_vocab, size.N, size.d_model, size.d_ff, size.h, 0.1)
 
 
-def ours_step(
-    data: Data,
-    size: Size,
-    bf16: bool,
-    default_kernel: bool = False,
-    rdrop: float = 0.0,
-    shared_encoder: bool = False,
-    device: torch.device = torch.device("cpu"),  # noqa: B008 (a device is immutable)
-    share: float = 1.0,
-    compile: bool = False,
-) -> Step:
-    """One update the way transformer.training.train does it (loss normalized by target tokens);
-    `default_kernel` leaves the attention backend to torch (or to the caller's context) instead
-    of training's choice; `rdrop` > 0 runs R-Drop's two passes of the batch in one forward, as
-    training does, over one encoder pass with `shared_encoder`, on a `share` of its sentences;
-    `compile`: model, generator and loss under torch.compile, as train.compile has them.
-    Batches should be on `device` already; the step does not wait for the device."""
-    model = ours_model(data, size).to(device).train()
-    optimizer = make_optimizer(model, PARAMS.train.weight_decay, device)
-    for group in optimizer.param_groups:
-        group["lr"] = LEARNING_RATE
-    loss_of = StepLoss(model, PARAMS.train.label_smoothing, shared_encoder=shared_encoder, share=share)
-    loss_of = compiled(loss_of, COMPILE_BACKEND) if compile else loss_of
-    kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
-
-    def step(batch: Batch) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), kernels():
-            loss = loss_of(batch, rdrop)
-            (loss / batch.ntokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 def baseline_step(data: Data, size: Size) -> Step:
     model = baseline_model(data, size).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     criterion = baseline.LabelSmoothing(data.tgt_vocab, PAD, PARAMS.train.label_smoothing)
     return lambda b: baseline.train_step(model, criterion, optimizer, b.src, b.tgt_in, b.tgt_out, PAD)
-
-
-def alternating_ms(runs: dict[str, Callable[[int], None]], warmup: int, reps: int) -> dict[str, float]:
-    """The median milliseconds of each run over `reps` calls, the runs taking turns call by call
-    after `warmup` untimed calls each; a run gets its call's index."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(warmup + reps):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run(i)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
-
-
-def print_speeds(title: str, ms: dict[str, float], reference: str) -> None:
-    """alternating_ms's medians, each with its speed against the `reference` run's."""
-    print(title)
-    for name, m in ms.items():
-        print(f"  {name:>14} {m:8.1f}   {ms[reference] / m:.2f}× {reference}'s speed")
 
 
 def busy_cpu_seconds() -> float:
@@ -405,57 +176,11 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
     return clock, timed
 
 
-def train_row(
-    key: str,
-    label: str,
-    dtype: str,
-    step: Step,
-    batches: list[Batch],
-    size: Size,
-    data: Data,
-    plan: Plan,
-    peak: float,
-    passes: float = 1,
-    shared_encoder: bool = False,
-) -> dict[str, Any]:
-    """`passes`: forward passes of each batch an update runs (R-Drop's 2, 1.5 on half the sentences
-    on average), the encoder's once with `shared_encoder`. Tokens/s counts each corpus token once,
-    so it is the speed through the corpus; MFU credits every pass."""
-    i = plan.sizes.index(size.name)
-    clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
-    seconds = clock.seconds
-    tokens = sum(b.ntokens for b in timed)
-    flops = sum(train_flops(b, size, data.tgt_vocab, passes, shared_encoder) for b in timed)
-    row = {
-        "size": size.name,
-        "key": key,
-        "row": label,
-        "dtype": dtype,
-        "updates": len(timed),
-        "seconds": round(seconds, 3),
-        "target_tokens": tokens,
-        "tokens_per_s": round(tokens / seconds, 1),
-        "flops_per_token": round(flops / tokens),
-        "mfu": round(flops / seconds / (peak * 1e9), 4),
-        "target_fill": round(tokens / sum(b.tgt_out.numel() for b in timed), 3),
-        "other_cores_busy": round(clock.others, 2),
-    }
-    print(
-        f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  ({len(timed)} updates, {seconds:.1f} s)",
-        file=sys.stderr,
-    )
-    gc.collect()
-    return row
-
-
-RDROP = 5.0  # the alpha of the R-Drop preset (params/multi30k_en_de_rdrop.yaml); its cost does not depend on it
-
-
 @dataclass(frozen=True)
 class TrainRow:
     """One training row: what it runs, and the row its speed is compared with (`vs`)."""
 
-    key: str
+    name: str
     label: str
     batches: str  # a key of training_batches
     bf16: bool = False
@@ -468,28 +193,69 @@ class TrainRow:
     malloc_defaults: bool = False  # glibc's defaults instead of training's kept freed memory
     compile: bool = False  # model, generator and loss under torch.compile; it compiles in the warm-up
 
+    @property
+    def dtype(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
 
+    @property
+    def passes(self) -> float:
+        """Forward passes of each batch an update runs: R-Drop's 2, 1.5 on half the sentences on average."""
+        return 1 + self.share if self.rdrop else 1
+
+
+TOKENS, TO_8 = "token batches", "token batches to 8"
 TRAIN_ROWS = (
-    TrainRow("a", "ours, 256 sentences", "256 sentences", vs="b"),
-    TrainRow("b", "baseline, 256 sentences", "256 sentences", baseline=True),
-    TrainRow("c", "ours, token batches", "token batches", vs="d"),
-    TrainRow("d", "baseline, seed recipe", "seed recipe", baseline=True),
-    TrainRow("e", "ours, token batches, bf16", "token batches", bf16=True, vs="d"),
-    TrainRow("f", "e with torch's default kernel", "token batches", bf16=True, vs="d", default_kernel=True),
-    TrainRow("r", "c with R-Drop", "token batches", vs="c", rdrop=True),
-    TrainRow("s", "e with R-Drop", "token batches", bf16=True, vs="e", rdrop=True),
-    TrainRow("t", "c, glibc's malloc defaults", "token batches", vs="c", malloc_defaults=True),
-    TrainRow("u", "e, glibc's malloc defaults", "token batches", bf16=True, vs="e", malloc_defaults=True),
-    TrainRow("v", "r with a shared encoder", "token batches", vs="r", rdrop=True, shared_encoder=True),
-    TrainRow("w", "s with a shared encoder", "token batches", bf16=True, vs="s", rdrop=True, shared_encoder=True),
-    TrainRow("x", "r on half the sentences", "token batches", vs="r", rdrop=True, share=0.5),
-    TrainRow("y", "s on half the sentences", "token batches", bf16=True, vs="s", rdrop=True, share=0.5),
-    TrainRow("m", "c padded to multiples of 8", "token batches to 8", vs="c"),
-    TrainRow("n", "m compiled", "token batches to 8", vs="m", compile=True),
-    TrainRow("o", "e padded to multiples of 8", "token batches to 8", bf16=True, vs="e"),
-    TrainRow("p", "o compiled", "token batches to 8", bf16=True, vs="o", compile=True),
+    TrainRow("ours-256", "ours, 256 sentences", "256 sentences", vs="baseline-256"),
+    TrainRow("baseline-256", "baseline, 256 sentences", "256 sentences", baseline=True),
+    TrainRow("plain-fp32", "ours, token batches", TOKENS, vs="seed-recipe"),
+    TrainRow("seed-recipe", "baseline, seed recipe", "seed recipe", baseline=True),
+    TrainRow("plain-bf16", "ours, token batches, bf16", TOKENS, bf16=True, vs="seed-recipe"),
+    TrainRow("torch-attention-bf16", "torch's attention kernel", TOKENS, True, "seed-recipe", default_kernel=True),
+    TrainRow("rdrop-fp32", "R-Drop", TOKENS, vs="plain-fp32", rdrop=True),
+    TrainRow("rdrop-bf16", "R-Drop", TOKENS, bf16=True, vs="plain-bf16", rdrop=True),
+    TrainRow("glibc-fp32", "glibc's malloc defaults", TOKENS, vs="plain-fp32", malloc_defaults=True),
+    TrainRow("glibc-bf16", "glibc's malloc defaults", TOKENS, True, "plain-bf16", malloc_defaults=True),
+    TrainRow("rdrop-shared-fp32", "a shared encoder", TOKENS, vs="rdrop-fp32", rdrop=True, shared_encoder=True),
+    TrainRow("rdrop-shared-bf16", "a shared encoder", TOKENS, True, "rdrop-bf16", rdrop=True, shared_encoder=True),
+    TrainRow("rdrop-half-fp32", "half the sentences", TOKENS, vs="rdrop-fp32", rdrop=True, share=0.5),
+    TrainRow("rdrop-half-bf16", "half the sentences", TOKENS, True, "rdrop-bf16", rdrop=True, share=0.5),
+    TrainRow("pad8-fp32", "padded to multiples of 8", TO_8, vs="plain-fp32"),
+    TrainRow("compiled-fp32", "torch.compile", TO_8, vs="pad8-fp32", compile=True),
+    TrainRow("pad8-bf16", "padded to multiples of 8", TO_8, bf16=True, vs="plain-bf16"),
+    TrainRow("compiled-bf16", "torch.compile", TO_8, bf16=True, vs="pad8-bf16", compile=True),
 )
+ROW_NAMES = tuple(row.name for row in TRAIN_ROWS)
 COMPILE_WARMUP = 3  # untimed updates of a compiled row at least
+
+
+def train_row(row: TrainRow, step: Step, batches: list[Batch], size: Size, data: Data, plan: Plan, peak: float):
+    """Tokens/s counts each corpus token once, so it is the speed through the corpus; MFU credits
+    every pass of R-Drop's (`row.passes`), the encoder's once with a shared encoder."""
+    i = plan.sizes.index(size.name)
+    clock, timed = time_training(step, batches, plan.warmup[i], plan.row_seconds[i])
+    seconds = clock.seconds
+    tokens = sum(b.ntokens for b in timed)
+    flops = sum(train_flops(b, size, data.tgt_vocab, row.passes, row.shared_encoder) for b in timed)
+    result = {
+        "size": size.name,
+        "key": row.name,
+        "row": row.label,
+        "dtype": row.dtype,
+        "updates": len(timed),
+        "seconds": round(seconds, 3),
+        "target_tokens": tokens,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "flops_per_token": round(flops / tokens),
+        "mfu": round(flops / seconds / (peak * 1e9), 4),
+        "target_fill": round(tokens / sum(b.tgt_out.numel() for b in timed), 3),
+        "other_cores_busy": round(clock.others, 2),
+    }
+    print(
+        f"  {size.name} {row.name:<20} {result['tokens_per_s']:>9,.0f} tok/s  ({len(timed)} updates, {seconds:.1f} s)",
+        file=sys.stderr,
+    )
+    gc.collect()
+    return result
 
 
 def compile_warmup(batches: list[Batch]) -> int:
@@ -501,52 +267,41 @@ def compile_warmup(batches: list[Batch]) -> int:
     return max(COMPILE_WARMUP, parted)
 
 
+def row_step(row: TrainRow, data: Data, size: Size) -> Step:
+    if row.baseline:
+        return baseline_step(data, size)
+    rdrop = RDROP if row.rdrop else 0.0
+    return ours_step(
+        data,
+        size,
+        bf16=row.bf16,
+        default_kernel=row.default_kernel,
+        rdrop=rdrop,
+        shared_encoder=row.shared_encoder,
+        share=row.share,
+        compile=row.compile,
+    )
+
+
 def training_rows(
-    size: Size, data: Data, plan: Plan, peaks: dict[str, float], keys: str | None = None
+    size: Size, data: Data, plan: Plan, peaks: dict[str, float], names: Collection[str] | None = None
 ) -> list[dict[str, Any]]:
-    """The training rows of `keys` (all where None) that this machine can run: bf16 rows need bf16
-    hardware, and glibc's malloc settings (t, u) a process on glibc's malloc."""
+    """The training rows of `names` (all where None) that this machine can run: bf16 rows need bf16
+    hardware, and glibc's malloc settings (glibc-*) a process on glibc's malloc."""
     batches = training_batches(data.corpus, MAX_BATCHES)
     rows = []
     for row in TRAIN_ROWS:
-        dtype = "bf16" if row.bf16 else "fp32"
-        if dtype not in peaks or (keys and row.key not in keys) or (row.malloc_defaults and allocator() != "glibc"):
+        if row.dtype not in peaks or (names and row.name not in names):
             continue
-        rdrop = RDROP if row.rdrop else 0.0
+        if row.malloc_defaults and allocator() != "glibc":
+            continue
         keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
-        step = (
-            baseline_step(data, size)
-            if row.baseline
-            else ours_step(
-                data,
-                size,
-                bf16=row.bf16,
-                default_kernel=row.default_kernel,
-                rdrop=rdrop,
-                shared_encoder=row.shared_encoder,
-                share=row.share,
-                compile=row.compile,
-            )
-        )
+        step = row_step(row, data, size)
         warmup = compile_warmup(batches[row.batches])
         warm = replace(plan, warmup=tuple(max(w, warmup) for w in plan.warmup)) if row.compile else plan
-        rows.append(
-            train_row(
-                row.key,
-                row.label,
-                dtype,
-                step,
-                batches[row.batches],
-                size,
-                data,
-                warm,
-                peaks[dtype],
-                1 + row.share if rdrop else 1,
-                row.shared_encoder,
-            )
-        )
+        rows.append(train_row(row, step, batches[row.batches], size, data, warm, peaks[row.dtype]))
     keep_freed_memory()
-    return compare(rows, {row.key: row.vs for row in TRAIN_ROWS if row.vs})
+    return compare(rows, {row.name: row.vs for row in TRAIN_ROWS if row.vs})
 
 
 def compare(rows: list[dict[str, Any]], against: dict[str, str]) -> list[dict[str, Any]]:
@@ -600,7 +355,7 @@ def decode_row(
         "sentences_per_s": round(len(sources) / seconds, 2),
         "other_cores_busy": round(clock.others, 2),
     }
-    print(f"  {size.name} {key}. {label:<27} {row['tokens_per_s']:>9,.0f} tok/s  ({seconds:.1f} s)", file=sys.stderr)
+    print(f"  {size.name} {key:<20} {row['tokens_per_s']:>9,.0f} tok/s  ({seconds:.1f} s)", file=sys.stderr)
     return row
 
 
@@ -608,11 +363,11 @@ def decoding_rows(size: Size, data: Data, plan: Plan) -> list[dict[str, Any]]:
     sources = decode_sources(data.corpus, plan.decode_sentences)
     ours, base, beam = ours_model(data, size).eval(), baseline_model(data, size).eval(), PARAMS.decode.beam
     rows = [
-        decode_row("g", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
-        decode_row("h", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
-        decode_row("i", "baseline, greedy, one by one", lambda s: decode_baseline(base, s), sources, size),
+        decode_row("greedy", "ours, greedy, batched", lambda s: decode_ours(ours, s, 1), sources, size),
+        decode_row("beam", f"ours, beam {beam}, batched", lambda s: decode_ours(ours, s, beam), sources, size),
+        decode_row("baseline-greedy", "baseline, one by one", lambda s: decode_baseline(base, s), sources, size),
     ]
-    return compare(rows, {"g": "i", "h": "i"})
+    return compare(rows, {"greedy": "baseline-greedy", "beam": "baseline-greedy"})
 
 
 # ---------------------------------------------------------------------------- a trained model against CTranslate2
@@ -663,9 +418,9 @@ def model_rows(
 
     rows = []
     for key, label, dtype, run in (
-        ("j", f"ours, beam {beam}, batched", "fp32", ours),
-        ("k", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
-        ("l", f"CTranslate2, beam {beam}", "int8", theirs("int8")),
+        ("ours-beam", f"ours, beam {beam}, batched", "fp32", ours),
+        ("ctranslate2-fp32", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
+        ("ctranslate2-int8", f"CTranslate2, beam {beam}", "int8", theirs("int8")),
     ):
         run(lines[:8])  # warm-up
         with Clock() as clock:
@@ -687,10 +442,10 @@ def model_rows(
             }
         )
         print(
-            f"  model {key}. {label} {dtype:<5} {rows[-1]['tokens_per_s']:>9,.0f} tok/s  BLEU {rows[-1]['bleu']}",
+            f"  model {key:<20} {rows[-1]['tokens_per_s']:>9,.0f} tok/s  BLEU {rows[-1]['bleu']}",
             file=sys.stderr,
         )
-    return compare(rows, {"j": "k", "l": "k"})
+    return compare(rows, {"ours-beam": "ctranslate2-fp32", "ctranslate2-int8": "ctranslate2-fp32"})
 
 
 # ---------------------------------------------------------------------------- report
@@ -712,20 +467,18 @@ def machine() -> dict[str, Any]:
 
 
 def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]]) -> str:
-    bf16 = (
-        f"{peaks['bf16']:.0f} GFLOP/s" if "bf16" in peaks else "not measured (no bf16 hardware: rows e and f left out)"
-    )
+    bf16 = f"{peaks['bf16']:.0f} GFLOP/s" if "bf16" in peaks else "not measured (no bf16 hardware: its rows left out)"
     lines = [
         f"matmul peak (2048×2048): fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {bf16}",
-        f"{'size':<6} {'row':<32} {'dtype':<5} {'tok/s':>8} {'sent/s':>7} {'MFU %':>6} {'ratio':>10} {'others':>6}",
+        f"{'size':<6} {'row':<22} {'dtype':<5} {'tok/s':>8} {'sent/s':>7} {'MFU %':>6} {'ratio':>26} {'others':>6}",
     ]
     for r in rows:
         sent = f"{r['sentences_per_s']:.1f}" if "sentences_per_s" in r else "-"
         mfu = f"{100 * r['mfu']:.1f}" if "mfu" in r else "-"
         ratio = f"{r['ratio']:.2f}× {r['vs']}" if r["vs"] else "1 (ref)"
         lines.append(
-            f"{r['size']:<6} {r['key'] + '. ' + r['row']:<32} {r['dtype']:<5} {r['tokens_per_s']:>8,.0f} "
-            f"{sent:>7} {mfu:>6} {ratio:>10} {r['other_cores_busy']:>6.2f}"
+            f"{r['size']:<6} {r['key']:<22} {r['dtype']:<5} {r['tokens_per_s']:>8,.0f} "
+            f"{sent:>7} {mfu:>6} {ratio:>26} {r['other_cores_busy']:>6.2f}"
         )
     busy = max([peak_busy] + [r["other_cores_busy"] for r in rows])
     if busy > 0.2:
@@ -736,31 +489,15 @@ def table(peaks: dict[str, float], peak_busy: float, rows: list[dict[str, Any]])
     return "\n".join(lines)
 
 
-# Options the bench scripts share.
-VOCAB_DIR = click.option(
-    "--vocab-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="A build_vocab output (train.pt, vocab.pt) for real token ids; default: the synthetic corpus.",
-)
-
-
-def rdrop_options(rdrop: float) -> Callable:
-    """--rdrop (R-Drop's α, `rdrop` by default; 0: the plain update) and --share (train.rdrop_share)."""
-
-    def options(command: Callable) -> Callable:
-        command = click.option(
-            "--share",
-            type=click.FloatRange(min=0.0, max=1.0, min_open=True),
-            default=1.0,
-            show_default=True,
-            help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
-        )(command)
-        return click.option(
-            "--rdrop", type=click.FloatRange(min=0.0), default=rdrop, show_default=True, help="R-Drop's α; 0: plain"
-        )(command)
-
-    return options
+def row_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    """--rows: training rows by name, comma-separated."""
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = sorted(set(names) - set(ROW_NAMES))
+    if unknown:
+        raise click.BadParameter(f"no row {', '.join(unknown)}; the rows: {', '.join(ROW_NAMES)}")
+    return names
 
 
 @click.command()
@@ -787,7 +524,13 @@ def rdrop_options(rdrop: float) -> Callable:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="raw reference, e.g. data/raw/test2016.de",
 )
-@click.option("--rows", "keys", default=None, help="only these training rows, by key (e.g. ce); no decoding rows")
+@click.option(
+    "--rows",
+    "names",
+    default=None,
+    callback=row_names,
+    help="only these training rows, by name, comma-separated (e.g. plain-fp32,plain-bf16); no decoding rows",
+)
 def main(
     quick: bool,
     vocab_dir: Path | None,
@@ -795,7 +538,7 @@ def main(
     model_path: Path | None,
     source: Path | None,
     reference: Path | None,
-    keys: str | None,
+    names: tuple[str, ...] | None,
 ) -> None:
     """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
     plan = QUICK if quick else FULL
@@ -807,16 +550,9 @@ def main(
         with tempfile.TemporaryDirectory() as tmp:
             rows = model_rows(model_path, source, reference, Path(tmp))
         print(table({"fp32": 0.0, "bf16": 0.0}, 0.0, rows).split("\n", 1)[1])
-        write_json(
-            out,
-            {
-                "machine": info,
-                "model": str(model_path),
-                "source": str(source),
-                "model_decode": rows,
-                "runtime_s": round(time.perf_counter() - start, 1),
-            },
-        )
+        runtime = round(time.perf_counter() - start, 1)
+        report = {"model": str(model_path), "source": str(source), "model_decode": rows, "runtime_s": runtime}
+        write_json(out, {"machine": info} | report)
         return
     with Clock() as clock:
         dtypes = DTYPES if use_bf16("auto", torch.device("cpu")) else {"fp32": torch.float32}
@@ -826,8 +562,8 @@ def main(
         data = load_data(vocab_dir, Path(tmp))
         train, decode = [], []
         for name in plan.sizes:
-            train += training_rows(SIZES[name], data, plan, peaks, keys)
-            decode += [] if keys else decoding_rows(SIZES[name], data, plan)
+            train += training_rows(SIZES[name], data, plan, peaks, names)
+            decode += [] if names else decoding_rows(SIZES[name], data, plan)
     info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     info["peak_rss_mb"] = round(peak_rss_mb())
     runtime = time.perf_counter() - start

@@ -1,8 +1,8 @@
 """On a CUDA GPU: which attention kernels a training update runs, and what each backend costs.
 
-    python bench/gpu_attention.py [--vocab-dir data/vocab] [--batches 60]
+    python -m bench.gpu_attention [--vocab-dir data/vocab] [--batches 60]
 
-Builds the model of params.yaml's size and times bench.py's R-Drop update of it in bf16 (fused
+Builds the model of params.yaml's size and times bench/common.py's R-Drop update of it in bf16 (fused
 Adam, as training does) over the first token batches of build_vocab's training ids, each batch a new shape:
 first with the kernels training picks (transformer.model.attention.attention_kernels), then with
 torch's own choice, then with each backend forced (a refused one says why). The first --warmup
@@ -16,7 +16,6 @@ warm. Needs a CUDA device; prints one table."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +24,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
-from transformer.kernels.select import attention_kernels  # noqa: E402
+from bench import common
+from transformer.kernels.select import attention_kernels
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -51,14 +49,14 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
     if not torch.cuda.is_available():
         raise click.ClickException("needs a CUDA device")
     device = torch.device("cuda")
-    m, t = bench.PARAMS.model, bench.PARAMS.train
-    data = bench.load_data(vocab_dir, Path())  # a vocab dir: no synthetic corpus is written
-    batches_on_device = [b.to(device) for b in bench.training_batches(data.corpus, batches)["token batches"]]
-    rdrop = t.rdrop or bench.RDROP
+    m, t = common.PARAMS.model, common.PARAMS.train
+    data = common.load_data(vocab_dir, Path())  # a vocab dir: no synthetic corpus is written
+    batches_on_device = [b.to(device) for b in common.training_batches(data.corpus, batches)["token batches"]]
+    rdrop = t.rdrop or common.RDROP
     # The default kernel: each row's context below picks the backend.
-    update = bench.ours_step(
+    update = common.ours_step(
         data,
-        bench.Size("params.yaml", m.N, m.d_model, m.d_ff, m.h),
+        common.Size("params.yaml", m.N, m.d_model, m.d_ff, m.h),
         True,
         default_kernel=True,
         rdrop=rdrop,

@@ -2,8 +2,8 @@
 
 Run from the repository root, venv active:
 
-    python bench/gpu_check.py [--out reports/gpu_check.json] [--seconds 15]
-    python bench/gpu_check.py --dry-run     # no GPU: the same code on the CPU, tiny sizes, 2 updates a row
+    python -m bench.gpu_check [--out reports/gpu_check.json] [--seconds 15]
+    python -m bench.gpu_check --dry-run     # no GPU: the same code on the CPU, tiny sizes, 2 updates a row
 
 On cuda:0 it measures, in order:
 
@@ -14,7 +14,7 @@ On cuda:0 it measures, in order:
   update as training runs it (make_model, make_optimizer, StepLoss, set_precision's bf16 or TF32,
   training's attention kernels) over token batches of a synthetic WMT-shaped corpus (about 31
   tokens a side, log-normal) at the preset's train.max_tokens and train.accum: target tokens/s, MFU
-  with bench.train_flops (the bench's FLOPs a token), ms an update, the share of it the GPU spent
+  with train_flops (the bench's FLOPs a token), ms an update, the share of it the GPU spent
   waiting on the host (kernel time against wall time, from the profiler), the kernels that took the
   most GPU time and the attention kernels, and peak GPU memory;
 - resume: the train stage on a toy corpus, killed with SIGKILL after its first checkpoint and
@@ -46,21 +46,19 @@ import torch
 import yaml
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import bench  # noqa: E402  (its FLOPs a token: bench.train_flops)
-import transformer.training.train  # noqa: E402
-from transformer import checkpoints  # noqa: E402
-from transformer.config import params_from_dict  # noqa: E402
-from transformer.data.batching import Batch, ParallelCorpus, token_batches  # noqa: E402
-from transformer.data.vocab import PAD  # noqa: E402
-from transformer.io import write_json  # noqa: E402
-from transformer.kernels.memory import peak_rss_mb  # noqa: E402
-from transformer.kernels.select import attention_kernels  # noqa: E402
-from transformer.model.model import make_model  # noqa: E402
-from transformer.presets import recipe  # noqa: E402
-from transformer.training.distributed import set_precision  # noqa: E402
-from transformer.training.train import StepLoss, make_optimizer  # noqa: E402
+import transformer.training.train
+from bench.common import ROOT, Size, train_flops
+from transformer import checkpoints
+from transformer.config import params_from_dict
+from transformer.data.batching import Batch, ParallelCorpus, token_batches
+from transformer.data.vocab import PAD
+from transformer.io import write_json
+from transformer.kernels.memory import peak_rss_mb
+from transformer.kernels.select import attention_kernels
+from transformer.model.model import make_model
+from transformer.presets import recipe
+from transformer.training.distributed import set_precision
+from transformer.training.train import StepLoss, make_optimizer
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
 CUDA_TESTS = ("tests/test_fast_paths.py", "tests/test_scale_out.py", "tests/test_distributed.py")
@@ -203,8 +201,8 @@ def train_row(size: str, compiled: bool, plan: Plan, work: Path) -> dict[str, An
     if plan.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(plan.device)
     seconds, done = timed(update, updates, plan)
-    shape = bench.Size(size, params.model.N, params.model.d_model, params.model.d_ff, params.model.h)
-    flops = sum(bench.train_flops(b, shape, vocab) for micro in done for b in micro)
+    shape = Size(size, params.model.N, params.model.d_model, params.model.d_ff, params.model.h)
+    flops = sum(train_flops(b, shape, vocab) for micro in done for b in micro)
     tokens = sum(b.ntokens for micro in done for b in micro)
     peak = torch.cuda.max_memory_allocated(plan.device) / 2**30 if plan.device.type == "cuda" else None
     return {
@@ -346,7 +344,7 @@ def check(plan: Plan, work: Path) -> dict[str, Any]:
     report["resume"] = resume_check(work / "resume")
     report["peak_rss_mb"] = round(peak_rss_mb())
     report["runtime_s"] = round(time.perf_counter() - started, 1)
-    report["flops_formula"] = bench.train_flops.__doc__
+    report["flops_formula"] = train_flops.__doc__
     return report
 
 
@@ -357,7 +355,7 @@ def check(plan: Plan, work: Path) -> dict[str, Any]:
 def main(out: Path, seconds: float, dry_run: bool) -> None:
     """Training at the WMT14 presets' sizes on one GPU; see the module docstring."""
     if not dry_run and not torch.cuda.is_available():
-        raise click.ClickException("no CUDA device: bench/gpu_check.py needs one GPU (--dry-run runs it on the CPU)")
+        raise click.ClickException("no CUDA device: bench.gpu_check needs one GPU (--dry-run runs it on the CPU)")
     plan = plan_for(dry_run, seconds)
     with tempfile.TemporaryDirectory() as tmp:
         report = check(plan, Path(tmp))

@@ -2,7 +2,7 @@
 
 Run from the repository root (the full size wants about 6 GB of disk; --pairs for small runs):
 
-    python bench/scale.py [--pairs 4500000] [--work /tmp/transformer-scale] [--out reports/scale.json]
+    python -m bench.scale [--pairs 4500000] [--work /tmp/transformer-scale] [--out reports/scale.json]
 
 It writes a synthetic parallel corpus of WMT14 en-de's size (4.5M training pairs, 3000
 validation, 3003 test), registers it as a local corpus, and runs the real stage scripts on
@@ -38,7 +38,6 @@ import click
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PRESET = ROOT / "params" / "wmt14_en_de_base.yaml"
 CORPUS = "synthetic_wmt14"

@@ -2,30 +2,29 @@
 
 Run from the repository root (under a minute on 2 cores):
 
-    python bench/update_profile.py [--vocab-dir data/vocab] [--rdrop 5.0] [--share 1.0] [--masks ours]
+    python -m bench.update_profile [--vocab-dir data/vocab] [--rdrop 5.0] [--share 1.0] [--masks ours]
         [--updates 4] [--rows 15]
 
-The update is bench.py's (the default recipe's model, batching and label smoothing; fused Adam)
-in bf16 where the CPU has it, else fp32, over the token batches of the corpus in --vocab-dir, else
-of bench.py's synthetic Multi30k-like one, in a process set up as training's
-(transformer.kernels.memory.training_memory). --rdrop 0 times the plain update and --share 0.5 R-Drop on
-half of each batch's sentences; --masks torch draws dropout's masks with torch's F.dropout instead
-of transformer.kernels.dropout's. After --warmup untimed updates the
-profiler records --updates more.
+The update is training's (bench/common.py: the default recipe's model, batching and label
+smoothing; fused Adam) in bf16 where the CPU has it, else fp32, over the token batches of the
+corpus in --vocab-dir, else of the synthetic Multi30k-like one, in a process set up as training's
+(transformer.kernels.memory.training_memory). --rdrop 0 times the plain update and --share 0.5
+R-Drop on half of each batch's sentences; --masks torch draws dropout's masks with torch's
+F.dropout instead of transformer.kernels.dropout's. After --warmup untimed updates the profiler
+records --updates more.
 It prints the ops that took the most time of their own (self CPU time, each op's share of the
 whole) and those shares gathered by kind: the matmuls, the draws of dropout's masks (torch's
 `bernoulli_`, or the `random_` of ours; our masks' comparison counts with the rest), dtype
 casts and copies, and the rest; then the casts and copies by the op that made them (the
 first op above each that is not itself a step of a copy: a cast, clone or reshape), which
 says where a fusion would take them out. Last, the matmuls' speed in their own time against
-bench.py's matmul peak of the update's dtype: the MFU the update would reach if its other ops
+the matmul peak of the update's dtype: the MFU the update would reach if its other ops
 took no time, the ceiling of fusing them away at this model's shapes; and the update's own MFU,
 its matmuls' FLOPs over all its ops' time.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -33,15 +32,16 @@ from pathlib import Path
 
 import click
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dropout_masks  # noqa: E402
+import transformer.kernels.dropout
+from bench import common
+from transformer.data.batching import Batch
+from transformer.kernels.memory import training_memory
+from transformer.training.distributed import use_bf16
 
-import bench  # noqa: E402
-import transformer.kernels.dropout  # noqa: E402
-from transformer.kernels.memory import training_memory  # noqa: E402
-from transformer.training.distributed import use_bf16  # noqa: E402
+MASKS = {"torch": lambda x, p, training=True: F.dropout(x, p, training), "ours": transformer.kernels.dropout.dropout}
 
 KINDS = {  # op name -> kind; ops not named here are "the rest"
     "aten::mm": "matmuls",
@@ -70,7 +70,7 @@ class Profile:
     copies: dict[str, float]  # "op: how" -> self CPU seconds of the copies that op made
 
 
-def op_times(step: bench.Step, batches: list[bench.Batch], warmup: int) -> Profile:
+def op_times(step: common.Step, batches: list[Batch], warmup: int) -> Profile:
     """The ops of the updates of batches[warmup:], recorded after the first `warmup` updates."""
     for batch in batches[:warmup]:
         step(batch)
@@ -111,8 +111,15 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
 
 
 @click.command()
-@bench.VOCAB_DIR
-@bench.rdrop_options(5.0)
+@common.VOCAB_DIR
+@click.option("--rdrop", type=click.FloatRange(min=0.0), default=5.0, show_default=True, help="R-Drop's α; 0: plain")
+@click.option(
+    "--share",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="The share of each batch's sentences R-Drop passes twice (train.rdrop_share)",
+)
 @click.option(
     "--masks",
     type=click.Choice(["ours", "torch"]),
@@ -133,15 +140,15 @@ def main(vocab_dir: Path | None, rdrop: float, share: float, masks: str, updates
     """Prints where an update's CPU time goes; see the module docstring."""
     bf16 = use_bf16("auto", torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
-        data = bench.load_data(vocab_dir, Path(tmp))
-        batches = bench.training_batches(data.corpus, warmup + updates)["token batches"]
-    step = bench.ours_step(data, bench.SIZES["small"], bf16, rdrop=rdrop, share=share)
-    transformer.kernels.dropout.dropout = dropout_masks.WAYS[masks]
+        data = common.load_data(vocab_dir, Path(tmp))
+        batches = common.training_batches(data.corpus, warmup + updates)["token batches"]
+    step = common.ours_step(data, common.SIZES["small"], bf16, rdrop=rdrop, share=share)
+    transformer.kernels.dropout.dropout = MASKS[masks]
     try:
         found = op_times(step, batches, warmup)
     finally:
-        transformer.kernels.dropout.dropout = dropout_masks.WAYS["ours"]
-    peak = bench.matmul_peak(torch.bfloat16 if bf16 else torch.float32, seconds=2.0)
+        transformer.kernels.dropout.dropout = MASKS["ours"]
+    peak = common.matmul_peak(torch.bfloat16 if bf16 else torch.float32, seconds=2.0)
     times, total = found.times, sum(found.times.values())
     print(
         f"{data.origin}; {'bf16' if bf16 else 'fp32'}; R-Drop α {rdrop}"

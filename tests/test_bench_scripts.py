@@ -3,38 +3,17 @@ their timings are not checked, only that each row is measured and printed."""
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
-
-sys.path.insert(0, str(ROOT / "bench"))
-import allocators  # noqa: E402
-import attention_bf16  # noqa: E402
-import batches  # noqa: E402
-import dropout_masks  # noqa: E402
-import gpu_attention  # noqa: E402
-import gpu_check  # noqa: E402
-import loss_memory  # noqa: E402
-import rdrop_loss  # noqa: E402
-import row_buckets  # noqa: E402
-import scale  # noqa: E402
-import update_profile  # noqa: E402
-
-import bench  # noqa: E402
-import transformer.kernels.dropout  # noqa: E402
-import transformer.kernels.packing  # noqa: E402
-import transformer.training.loss  # noqa: E402
-from transformer.training.distributed import use_bf16  # noqa: E402
+from bench import common, gpu_attention, gpu_check, scale, update_profile
 
 
 @pytest.fixture(autouse=True)
 def tiny_model(monkeypatch):
-    monkeypatch.setitem(bench.SIZES, "small", bench.Size("small", N=1, d_model=16, d_ff=32, h=2))
+    monkeypatch.setitem(common.SIZES, "small", common.Size("small", N=1, d_model=16, d_ff=32, h=2))
 
 
 def run(main, args: list[str]) -> str:
@@ -63,127 +42,10 @@ def test_update_profile_lists_the_matmuls_and_its_shares_by_kind_add_up_to_the_w
     assert sum(origins.values()) == pytest.approx(shares["casts and copies"], abs=0.05 * len(origins) + 0.1)
 
 
-def test_dropout_masks_times_both_ways_in_each_row_and_leaves_ours_in_the_model():
-    out = run(dropout_masks.main, ["--reps", "1"])
-    assert out.count("× torch's speed") == 6  # three rows, two ways
-    assert transformer.kernels.dropout.dropout is dropout_masks.WAYS["ours"]
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_dropout_masks_times_the_precision_asked_for(precision):
-    assert f"; {precision}; " in run(dropout_masks.main, ["--reps", "1", "--precision", precision])
-
-
-def test_rdrop_loss_times_every_block_size_and_both_updates(monkeypatch):
-    monkeypatch.setattr(transformer.training.loss, "_BLOCK", transformer.training.loss._BLOCK)  # the script sets it
-    out = run(rdrop_loss.main, ["--reps", "1"])
-    assert out.count("× whole's speed") == len(rdrop_loss.BLOCKS) + 2
-
-
-def test_batches_times_this_trees_batching_and_another_commits_on_the_same_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "MULTI30K_TRAIN", 2000)
-    out = tmp_path / "batches.json"
-    run(batches.main, ["--before", "HEAD", "--rounds", "1", "--out", str(out)])
-    report = json.loads(out.read_text())
-    assert report["sentences"] == 2000 and set(report["us_a_sentence"]) == {"now", "HEAD"}
-    assert all(us > 0 for us in report["us_a_sentence"].values())
-
-
-def test_batches_stops_where_another_commits_batches_differ(monkeypatch):
-    original = batches.batching_at
-
-    def reordered(rev):  # a version that puts every batch's sentences in reverse order
-        module = original(rev)
-        batch = module.ParallelCorpus.batch
-        monkeypatch.setattr(module.ParallelCorpus, "batch", lambda self, index: batch(self, index[::-1]))
-        return module
-
-    monkeypatch.setattr(bench, "MULTI30K_TRAIN", 500)
-    monkeypatch.setattr(batches, "batching_at", reordered)
-    result = CliRunner().invoke(batches.main, ["--before", "HEAD", "--rounds", "1"])
-    assert result.exit_code == 1 and "the batches differ from HEAD's" in result.output
-
-
-def test_loss_memory_measures_both_losses_whole_and_fused_in_each_precision():
-    out = run(loss_memory.main, ["--tokens", "400", "--vocab", "300", "--d-model", "16", "--reps", "1"])
-    precisions = 1 + use_bf16("auto", torch.device("cpu"))
-    assert out.count("MB whole") == out.count("MB fused") == out.count(" s a call ") == 2 * precisions
-    assert "token_loss fp32: peak " in out and "rdrop_loss fp32: peak " in out
-    assert "(the code takes the fused loss)" in out  # at any size, with the model's Linear generator
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")
 def test_gpu_attention_refuses_a_host_without_cuda_before_it_reads_anything(tmp_path):
     result = CliRunner().invoke(gpu_attention.main, ["--vocab-dir", str(tmp_path)])
     assert result.exit_code == 1 and "needs a CUDA device" in result.output
-
-
-def test_attention_bf16_times_every_arm_and_leaves_torchs_switch_as_it_was():
-    before, softmax = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(), transformer.model.attention._Softmax
-    out = run(attention_bf16.main, ["--warmup", "1", "--updates", "2", "--rdrop", "5", "--share", "0.5"])
-    assert "R-Drop α 5.0 on 50% of the sentences (2 batches, ms):" in out
-    for arm in attention_bf16.ARMS:
-        assert re.search(rf"^ +{arm} +[0-9.]+ +[0-9.]+× math in bf16's speed$", out, re.MULTILINE), out
-    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == before
-    assert transformer.model.attention._Softmax is softmax  # put back after its arm
-
-
-def test_attention_bf16_times_the_softmax_alone_at_every_row_length():
-    out = run(attention_bf16.main, ["--softmax-table", "--warmup", "0", "--updates", "1"])
-    rows = re.findall(r"^ +(\d+) +(\d+) +[0-9,]+ +[0-9,]+ +[0-9.]+×$", out, re.MULTILINE)
-    assert [(int(s), int(b)) for s, b in rows] == [(s, 3000 // s) for s in attention_bf16.LENGTHS], out
-
-
-@pytest.mark.parametrize("arm", row_buckets.ARMS)
-def test_row_buckets_times_an_arm_and_leaves_the_buckets_in_place(arm):
-    bucket = transformer.kernels.packing.row_bucket
-    out = run(row_buckets.main, ["--arm", arm, "--warmup", "1", "--updates", "2"])
-    timed = json.loads(out.splitlines()[-1])
-    assert timed["ms_per_update"] > 0 and timed["tokens_per_s"] > 0
-    assert transformer.kernels.packing.row_bucket is bucket
-
-
-def test_row_buckets_compares_the_medians_of_the_bucketed_arm_with_the_others():
-    def turn(ms: float, speed: float) -> dict:
-        return {"ms_per_update": ms, "tokens_per_s": speed}
-
-    table = row_buckets.summary(
-        {"unbucketed": [turn(10, 100), turn(12, 90), turn(8, 110)], "bucketed": [turn(9, 120), turn(7, 130)]}
-    )
-    assert table == {
-        "unbucketed": {"ms_per_update": 10, "tokens_per_s": 100},
-        "bucketed": {"ms_per_update": 8, "tokens_per_s": 125},
-        "speedup": 1.25,
-    }
-
-
-def test_allocators_compares_each_rows_median_speed_in_each_arm_with_the_firsts():
-    def report(speed: float) -> dict:
-        return {"train": [{"key": "c", "row": "ours", "tokens_per_s": speed}]}
-
-    table = allocators.summary(
-        {
-            "glibc": [report(100), report(110), report(90)],
-            "mimalloc": [report(99), report(120)],
-            "training": [report(95)],
-        }
-    )
-    assert table == [
-        {
-            "row": "c. ours",
-            "glibc": 100,
-            "mimalloc": 109.5,
-            "training": 95,
-            "mimalloc/glibc": 1.095,
-            "training/glibc": 0.95,
-        }
-    ]
-
-
-def test_allocators_refuses_a_host_without_mimalloc(monkeypatch):
-    monkeypatch.setattr(allocators, "mimalloc_library", lambda: None)
-    result = CliRunner().invoke(allocators.main, [])
-    assert result.exit_code == 1 and "mimalloc is not installed" in result.output
 
 
 def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(tmp_path, monkeypatch):

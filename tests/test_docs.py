@@ -153,6 +153,8 @@ def check(argv: list[str]) -> None:
             return
         if argv[1:2] == ["-m"]:
             assert importlib.util.find_spec(argv[2]), f"no module {argv[2]}"
+            if argv[2].startswith("bench."):  # our scripts, run as modules: their options too
+                _check_options(argv[2], argv[3:], _click_options(importlib.import_module(argv[2]).main))
             return
         (script,) = scripts
         assert (ROOT / script).is_file(), f"no script {script}"
@@ -185,6 +187,8 @@ def test_the_checker_catches_what_it_is_for():
         "python stages/train.py --vocab data/vocab --referencess x",
         "dcv repro",
         "python -c 'from transformer.training.train import no_such_helper'",
+        "python -m bench.bench --quik",
+        "python -m bench.no_such_script",
     ):
         with pytest.raises((AssertionError, pytest.fail.Exception)):
             for argv in simple_commands(bad):
@@ -202,6 +206,35 @@ def test_the_readme_is_a_front_page():
     assert not re.search(r"GFLOP", outside), "a bench peak outside the results block"
     for page in PAGES[1:]:
         assert f"(docs/{page.name})" in readme, f"README links no {page.name}"
+
+
+DATE = r"\b20\d\d-\d\d-\d\d\b"
+COMMIT = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # hex with a letter and a digit
+ISSUE = r"(?<![\w/&])#\d+\b"
+HOST_TABLE = ("<!-- host classes -->", "<!-- /host classes -->")  # speed.md's: a class's bench peaks
+
+
+def docs_page_problems(text: str) -> list[str]:
+    """What a page of docs/ must not hold: dates (but for the experiments table's date column), commit
+    ids, issue numbers, and bench peaks outside speed.md's table of host classes."""
+    if HOST_TABLE[0] in text:
+        text = text.split(HOST_TABLE[0])[0] + text.split(HOST_TABLE[1])[1]
+    text = re.sub(rf"^\| {DATE}[^|]*\|", "|", text, flags=re.M)  # the experiments table's date column
+    checks = {"a date": DATE, "a commit id": COMMIT, "an issue number": ISSUE, "a bench peak": r"GFLOP"}
+    return [f"{what}: {m[0]!r}" for what, pattern in checks.items() for m in [re.search(pattern, text)] if m]
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_docs_page_names_no_date_commit_issue_or_bench_peak_outside_the_host_table(page):
+    assert docs_page_problems(page.read_text(encoding="utf-8")) == [], page.name
+
+
+def test_the_docs_rule_catches_what_it_is_for():
+    assert docs_page_problems("| 2026-11-21 | a trial | kept |\n") == []  # the experiments table's date column
+    assert docs_page_problems("1000001 characters; a 0.80 fill") == []
+    for bad in ("measured on 2026-11-21", "the code at 6c41217", "after #81's work", "peaks 333 GFLOP/s"):
+        assert docs_page_problems(bad), bad
+    assert docs_page_problems("<!-- host classes -->\n| x | 333 GFLOP/s |\n<!-- /host classes -->\n") == []
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def keep_freed_memory(keep: bool = True) -> bool:
     By default glibc maps each block over its mmap threshold (at most 32 MiB) afresh and unmaps it
     when freed. A CPU update's activations and logits are such blocks, hundreds of MB of them, so
     every update would fault its memory in anew, in the kernel. Kept, the freed blocks of one update
-    serve the next (bench/bench.py times it: rows t and u against c and e; docs/speed.md), at the
+    serve the next (bench/bench.py times it: the glibc-* rows against plain-*; docs/speed.md), at the
     cost of a resident set that holds the largest update's blocks.
     `keep=False` goes back to glibc's defaults, with the mmap threshold where glibc's own
     adjustment would take it for blocks this large. True where glibc took the settings; False

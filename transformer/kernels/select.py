@@ -90,7 +90,7 @@ def attention_kernels(device: torch.device, bf16: bool) -> contextlib.AbstractCo
     """How training computes attention.
 
     On a CPU under bf16 autocast, from its formula (writes_attention_out). torch's flash kernel is
-    slower there at Multi30k's lengths (bench/bench.py times it: row f against row e), and its math
+    slower there at Multi30k's lengths (bench/bench.py times it: torch-attention-bf16 against plain-bf16), and its math
     kernel, besides copying bf16 queries, keys and values to float32 unless told not to, scales queries
     and keys apiece, turns a boolean mask into an additive one on every call and makes its softmax safe
     for rows that attend to nothing (no batch has one: every sentence ends with </s>), each a pass

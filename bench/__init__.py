@@ -1,0 +1,1 @@
+"""Benchmarks: run from the repository root as modules, e.g. `python -m bench.bench`."""

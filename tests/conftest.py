@@ -127,13 +127,43 @@ def tiny_params(**overrides) -> dict:
     return params
 
 
-def tiny_model(**args):
-    """make_model with the tests' smallest sizes; `args` name the vocabularies and what else differs."""
+def tiny_config(src_vocab: int, tgt_vocab: int, **overrides) -> dict:
+    """The tests' smallest model as a model file's model_config; `overrides` name what else differs."""
     from transformer.data.vocab import PAD
-    from transformer.model.model import make_model
 
     sizes = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0, "norm": "pre", "tie_embeddings": False}
-    return make_model(**sizes | {"pad": PAD} | args)
+    return {"src_vocab": src_vocab, "tgt_vocab": tgt_vocab} | sizes | {"pad": PAD} | overrides
+
+
+def tiny_model(**args):
+    """make_model with tiny_config's sizes; `args` name the vocabularies and what else differs."""
+    from transformer.model.model import make_model
+
+    return make_model(**tiny_config(**args))
+
+
+def tiny_model_file(path: Path, src, tgt, params: dict | None = None, seed: int = 0, weights=None, **overrides) -> Path:
+    """A tiny untrained model (tiny_config with `overrides`, drawn after seeding `seed`) saved at `path` as
+    average_checkpoints saves one: its weights (through `weights` where given), model_config, `params` (else
+    params.yaml's), the vocabularies `src` and `tgt`, step 1."""
+    from transformer import checkpoints
+    from transformer.config import load_params
+    from transformer.model.model import make_model
+
+    config = tiny_config(len(src), len(tgt), **overrides)
+    torch.manual_seed(seed)
+    state = make_model(**config).state_dict()
+    checkpoints.save(
+        path,
+        {
+            "model": weights(state) if weights else state,
+            "model_config": config,
+            "params": params or load_params(ROOT / "params.yaml").to_dict(),
+            "vocab": {"src": src.state(), "tgt": tgt.state()},
+            "step": 1,
+        },
+    )
+    return path
 
 
 def free_port() -> int:

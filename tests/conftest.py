@@ -97,6 +97,33 @@ def write_toy_corpus(directory: Path, splits: dict[str, int] | None = None, lang
     return registry
 
 
+# tiny_params's changes to params.yaml: the toy corpus, a tiny model, short training.
+TINY_PARAMS = {
+    "data.corpus": "toy",
+    "data.registry": "toy/corpora.yaml",
+    "vocab.kind": "bpe",
+    "vocab.size": 120,
+    "model.N": 1,
+    "model.d_model": 32,
+    "model.d_ff": 64,
+    "model.h": 2,
+    "model.dropout": 0.0,
+    "train.max_tokens": 400,
+    "train.epochs": 12,
+    "train.factor": 1.0,
+    "train.warmup": 100,
+    "train.cooldown": 0.0,
+    "train.keep": 3,
+    "train.precision": "fp32",
+    "train.rdrop": 0.0,
+    "train.rdrop_share": 1.0,
+    "train.weight_decay": 0.0,
+    "average.last_k": 2,
+    "decode.beam": 2,
+    "decode.alpha": 1.0,
+}
+
+
 def tiny_params(**overrides) -> dict:
     """The default params with a tiny model and short training; overrides as {'train.epochs': 2}.
 
@@ -104,24 +131,7 @@ def tiny_params(**overrides) -> dict:
     the tests; the tests that are about them set them.
     """
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["data"].update(corpus="toy", registry="toy/corpora.yaml")
-    params["vocab"].update(kind="bpe", size=120)
-    params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-    params["train"].update(
-        max_tokens=400,
-        epochs=12,
-        factor=1.0,
-        warmup=100,
-        cooldown=0.0,
-        keep=3,
-        precision="fp32",
-        rdrop=0.0,
-        rdrop_share=1.0,
-        weight_decay=0.0,
-    )
-    params["average"].update(last_k=2)
-    params["decode"].update(beam=2, alpha=1.0)
-    for key, value in overrides.items():
+    for key, value in (TINY_PARAMS | overrides).items():
         section, name = key.split(".")
         params[section][name] = value
     return params

@@ -267,16 +267,9 @@ def run(
     env: dict | None = None,
     input_text: str | None = None,
 ) -> subprocess.CompletedProcess:
-    full_env = tool_env(**(env or {}))
+    stdin = {"input": input_text} if input_text is not None else {"stdin": subprocess.DEVNULL}
     result = subprocess.run(
-        cmd,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        input=input_text,
-        stdin=None if input_text is not None else subprocess.DEVNULL,
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=tool_env(**(env or {})), **stdin
     )
     if check and result.returncode != 0:
         raise AssertionError(

@@ -137,12 +137,16 @@ def tiny_params(**overrides) -> dict:
     return params
 
 
+# The tests' smallest model's sizes (a bench.Size takes these four); tiny_config adds the rest.
+TINY_SIZES = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2}
+
+
 def tiny_config(src_vocab: int, tgt_vocab: int, **overrides) -> dict:
     """The tests' smallest model as a model file's model_config; `overrides` name what else differs."""
     from transformer.data.vocab import PAD
 
-    sizes = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0, "norm": "pre", "tie_embeddings": False}
-    return {"src_vocab": src_vocab, "tgt_vocab": tgt_vocab} | sizes | {"pad": PAD} | overrides
+    rest = {"dropout": 0.0, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    return {"src_vocab": src_vocab, "tgt_vocab": tgt_vocab} | TINY_SIZES | rest | overrides
 
 
 def tiny_model(**args):
@@ -266,10 +270,12 @@ def run(
     timeout: int = 300,
     env: dict | None = None,
     input_text: str | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     stdin = {"input": input_text} if input_text is not None else {"stdin": subprocess.DEVNULL}
+    full_env = tool_env(**(env or {}))
     result = subprocess.run(
-        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=tool_env(**(env or {})), **stdin
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, preexec_fn=preexec_fn, **stdin
     )
     if check and result.returncode != 0:
         raise AssertionError(

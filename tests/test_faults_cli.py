@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, MlflowServer, run, tiny_params, tool_env, write_toy_corpus
+from conftest import ROOT, MlflowServer, run, tiny_params, write_toy_corpus
 
 STAGES = ROOT / "stages"
 
@@ -138,24 +138,12 @@ def _stage(
 ) -> subprocess.CompletedProcess:
     script, *args = _commands()[name]
     cmd = [sys.executable, str(STAGES / script), *args, *extra]
-    if file_limit is None:
-        return run(cmd, d, check=check, env=env)
 
     def limit_file_size():  # a write past the limit fails as a full disk would (EFBIG instead of ENOSPC)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    full_env = tool_env(**(env or {}))
-    return subprocess.run(
-        cmd,
-        cwd=d,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=full_env,
-        stdin=subprocess.DEVNULL,
-        preexec_fn=limit_file_size,
-    )
+    return run(cmd, d, check=check, env=env, preexec_fn=None if file_limit is None else limit_file_size)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench  # noqa: E402
 
-TINY = bench.Size("tiny", N=1, d_model=16, d_ff=32, h=2)
+TINY = bench.Size("tiny", **TINY_SIZES)
 PLAN = bench.Plan(sizes=("tiny",), warmup=(0,), row_seconds=(0.0,), decode_sentences=4, matmul_seconds=0.0)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ from transformer.training.distributed import use_bf16  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def tiny_model(monkeypatch):
-    monkeypatch.setitem(bench.SIZES, "small", bench.Size("small", N=1, d_model=16, d_ff=32, h=2))
+    monkeypatch.setitem(bench.SIZES, "small", bench.Size("small", **TINY_SIZES))
 
 
 def run(main, args: list[str]) -> str:

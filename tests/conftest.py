@@ -162,11 +162,10 @@ def tiny_model_file(path: Path, src, tgt, params: dict | None = None, seed: int 
     params.yaml's), the vocabularies `src` and `tgt`, step 1."""
     from transformer import checkpoints
     from transformer.config import load_params
-    from transformer.model.model import make_model
 
     config = tiny_config(len(src), len(tgt), **overrides)
     torch.manual_seed(seed)
-    state = make_model(**config).state_dict()
+    state = tiny_model(**config).state_dict()
     checkpoints.save(
         path,
         {

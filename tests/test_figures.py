@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BIN, ROOT, run, tiny_config
+from conftest import BIN, ROOT, run, tiny_config, tiny_model
 
 from transformer import checkpoints
 from transformer.config import load_params
 from transformer.data.vocab import SPECIALS, WordVocab
 from transformer.evaluation.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
 from transformer.io import DataError
-from transformer.model.model import make_model
 
 WORDS = ["kan", "pen", "bin", "don", "."]
 
@@ -20,7 +19,7 @@ def _tiny(h: int = 2):
     torch.manual_seed(0)
     vocab = WordVocab(list(SPECIALS) + WORDS)
     config = tiny_config(len(vocab), len(vocab), h=h)
-    return make_model(**config), vocab, config
+    return tiny_model(**config), vocab, config
 
 
 def _checkpoint(tmp_path):

@@ -8,14 +8,13 @@ import tomllib
 import pytest
 import torch
 import yaml
-from conftest import ROOT, tiny_config, tiny_params
+from conftest import ROOT, tiny_config, tiny_model, tiny_params
 
 from transformer.checkpoints import average_state_dicts
 from transformer.config import ADDED_TRAIN_KEYS, METRICS, load_params, params_from_dict
 from transformer.evaluation import report, system
 from transformer.evaluation.system import describe_model
 from transformer.io import DataError, write_json
-from transformer.model.model import make_model
 from transformer.presets import names, recipe
 
 SCORES = {
@@ -147,7 +146,7 @@ def test_the_report_counts_a_tied_embedding_once():
     each its own tensor; the model as built has it once."""
     torch.manual_seed(0)
     config = tiny_config(40, 40, tie_embeddings=True)
-    model = make_model(**config)
+    model = tiny_model(**config)
     built = sum(p.numel() for p in model.parameters())
     averaged = average_state_dicts([model.state_dict(), model.state_dict()])
     assert sum(t.numel() for t in averaged.values()) == built + 2 * 40 * 16
@@ -161,7 +160,7 @@ def test_the_report_counts_a_tied_embedding_once():
 )
 def test_the_report_names_the_decoders_depth_where_it_differs_from_the_encoders(decoder_N, model):
     config = tiny_config(40, 40, N=2, tie_embeddings=True, decoder_N=decoder_N)
-    described = describe_model({"model": make_model(**config).state_dict(), "model_config": config, "step": 1})
+    described = describe_model({"model": tiny_model(**config).state_dict(), "model_config": config, "step": 1})
     assert described["model"].startswith(model + ",")
 
 
@@ -334,7 +333,7 @@ def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report
 
 def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_training_times():
     config = tiny_config(40, 40, tie_embeddings=True)
-    one = sum(p.numel() for p in make_model(**config).parameters())
+    one = sum(p.numel() for p in tiny_model(**config).parameters())
     described = describe_model(
         {"model_config": config, "step": 9, "train_time_s": 600.0, "members": [{"seed": 3}, {"seed": 4}]}
     )

@@ -97,6 +97,33 @@ def write_toy_corpus(directory: Path, splits: dict[str, int] | None = None, lang
     return registry
 
 
+# tiny_params's changes to params.yaml: the toy corpus, a tiny model, short training.
+TINY_PARAMS = {
+    "data.corpus": "toy",
+    "data.registry": "toy/corpora.yaml",
+    "vocab.kind": "bpe",
+    "vocab.size": 120,
+    "model.N": 1,
+    "model.d_model": 32,
+    "model.d_ff": 64,
+    "model.h": 2,
+    "model.dropout": 0.0,
+    "train.max_tokens": 400,
+    "train.epochs": 12,
+    "train.factor": 1.0,
+    "train.warmup": 100,
+    "train.cooldown": 0.0,
+    "train.keep": 3,
+    "train.precision": "fp32",
+    "train.rdrop": 0.0,
+    "train.rdrop_share": 1.0,
+    "train.weight_decay": 0.0,
+    "average.last_k": 2,
+    "decode.beam": 2,
+    "decode.alpha": 1.0,
+}
+
+
 def tiny_params(**overrides) -> dict:
     """The default params with a tiny model and short training; overrides as {'train.epochs': 2}.
 
@@ -104,36 +131,52 @@ def tiny_params(**overrides) -> dict:
     the tests; the tests that are about them set them.
     """
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["data"].update(corpus="toy", registry="toy/corpora.yaml")
-    params["vocab"].update(kind="bpe", size=120)
-    params["model"].update(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-    params["train"].update(
-        max_tokens=400,
-        epochs=12,
-        factor=1.0,
-        warmup=100,
-        cooldown=0.0,
-        keep=3,
-        precision="fp32",
-        rdrop=0.0,
-        rdrop_share=1.0,
-        weight_decay=0.0,
-    )
-    params["average"].update(last_k=2)
-    params["decode"].update(beam=2, alpha=1.0)
-    for key, value in overrides.items():
+    for key, value in (TINY_PARAMS | overrides).items():
         section, name = key.split(".")
         params[section][name] = value
     return params
 
 
-def tiny_model(**args):
-    """make_model with the tests' smallest sizes; `args` name the vocabularies and what else differs."""
+# The tests' smallest model's sizes (a bench.Size takes these four); tiny_config adds the rest.
+TINY_SIZES = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2}
+
+
+def tiny_config(src_vocab: int, tgt_vocab: int, **overrides) -> dict:
+    """The tests' smallest model as a model file's model_config; `overrides` name what else differs."""
     from transformer.data.vocab import PAD
+
+    rest = {"dropout": 0.0, "norm": "pre", "tie_embeddings": False, "pad": PAD}
+    return {"src_vocab": src_vocab, "tgt_vocab": tgt_vocab} | TINY_SIZES | rest | overrides
+
+
+def tiny_model(**args):
+    """make_model with tiny_config's sizes; `args` name the vocabularies and what else differs."""
     from transformer.model.model import make_model
 
-    sizes = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0, "norm": "pre", "tie_embeddings": False}
-    return make_model(**sizes | {"pad": PAD} | args)
+    return make_model(**tiny_config(**args))
+
+
+def tiny_model_file(path: Path, src, tgt, params: dict | None = None, seed: int = 0, weights=None, **overrides) -> Path:
+    """A tiny untrained model (tiny_config with `overrides`, drawn after seeding `seed`) saved at `path` as
+    average_checkpoints saves one: its weights (through `weights` where given), model_config, `params` (else
+    params.yaml's), the vocabularies `src` and `tgt`, step 1."""
+    from transformer import checkpoints
+    from transformer.config import load_params
+
+    config = tiny_config(len(src), len(tgt), **overrides)
+    torch.manual_seed(seed)
+    state = tiny_model(**config).state_dict()
+    checkpoints.save(
+        path,
+        {
+            "model": weights(state) if weights else state,
+            "model_config": config,
+            "params": params or load_params(ROOT / "params.yaml").to_dict(),
+            "vocab": {"src": src.state(), "tgt": tgt.state()},
+            "step": 1,
+        },
+    )
+    return path
 
 
 def free_port() -> int:
@@ -226,17 +269,12 @@ def run(
     timeout: int = 300,
     env: dict | None = None,
     input_text: str | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
+    stdin = {"input": input_text} if input_text is not None else {"stdin": subprocess.DEVNULL}
     full_env = tool_env(**(env or {}))
     result = subprocess.run(
-        cmd,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        input=input_text,
-        stdin=None if input_text is not None else subprocess.DEVNULL,
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, preexec_fn=preexec_fn, **stdin
     )
     if check and result.returncode != 0:
         raise AssertionError(

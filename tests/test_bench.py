@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from conftest import TINY_SIZES
 
 from bench import bench, common
 
-TINY = common.Size("tiny", N=1, d_model=16, d_ff=32, h=2)
+TINY = common.Size("tiny", **TINY_SIZES)
 PLAN = bench.Plan(sizes=("tiny",), warmup=(0,), row_seconds=(0.0,), decode_sentences=4, matmul_seconds=0.0)
 
 

@@ -7,13 +7,14 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY_SIZES
 
 from bench import common, gpu_attention, gpu_check, scale, update_profile
 
 
 @pytest.fixture(autouse=True)
 def tiny_model(monkeypatch):
-    monkeypatch.setitem(common.SIZES, "small", common.Size("small", N=1, d_model=16, d_ff=32, h=2))
+    monkeypatch.setitem(common.SIZES, "small", common.Size("small", **TINY_SIZES))
 
 
 def run(main, args: list[str]) -> str:

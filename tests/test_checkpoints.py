@@ -126,20 +126,24 @@ def test_saved_checkpoint_loads_back(tmp_path):
     assert loaded["step"] == 3
 
 
+def _refused(path: Path, match: str) -> str:
+    """The message of the DataError that load(path) raises, which must match `match`."""
+    with pytest.raises(DataError, match=match) as e:
+        load(path)
+    return str(e.value)
+
+
 @pytest.mark.parametrize("keep", [0.0, 0.01, 0.5, 0.99])
 def test_truncated_checkpoint_is_reported_as_truncated_or_corrupt(tmp_path, keep):
     path = tmp_path / "m.pt"
     save(path, _checkpoint(1.0, 1))
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(DataError, match="truncated or corrupt") as e:
-        load(path)
-    assert str(path) in str(e.value)
+    assert str(path) in _refused(path, "truncated or corrupt")
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    with pytest.raises(DataError, match="not found"):
-        load(tmp_path / "absent.pt")
+    _refused(tmp_path / "absent.pt", "not found")
 
 
 class _WritesMarker:
@@ -156,8 +160,7 @@ def test_checkpoint_with_code_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "marker"
     evil = tmp_path / "evil.pt"
     torch.save({"model": {}, "model_config": _WritesMarker(marker), "params": {}, "vocab": {}}, evil)
-    with pytest.raises(DataError, match="refused"):
-        load(evil)
+    _refused(evil, "refused")
     assert not marker.exists()
     torch.load(evil, weights_only=False)  # the payload is real: an unsafe load runs it
     assert marker.read_text() == "ran"
@@ -165,16 +168,14 @@ def test_checkpoint_with_code_is_refused_without_running_it(tmp_path):
 
 def test_checkpoint_lacking_keys_lists_them(tmp_path):
     save(tmp_path / "m.pt", {"model": {}, "params": {}})
-    with pytest.raises(DataError, match="lacks") as e:
-        load(tmp_path / "m.pt")
-    assert "model_config" in str(e.value) and "vocab" in str(e.value)
-    assert "params" not in str(e.value).split("lacks")[1]
+    message = _refused(tmp_path / "m.pt", "lacks")
+    assert "model_config" in message and "vocab" in message
+    assert "params" not in message.split("lacks")[1]
 
 
 def test_file_that_is_not_a_dict_is_refused(tmp_path):
     torch.save([torch.zeros(1)], tmp_path / "m.pt")
-    with pytest.raises(DataError, match="not a checkpoint"):
-        load(tmp_path / "m.pt")
+    _refused(tmp_path / "m.pt", "not a checkpoint")
 
 
 _WRITE_PAST_THE_LIMIT = """

@@ -81,6 +81,14 @@ class Mirror:
         leftovers = [p.name for p in self.out.parent.iterdir() if p.name.startswith(f".{self.out.name}.")]
         assert leftovers == []
 
+    def refusal(self, match: str) -> str:
+        """The message of the DataError that download() raises, which must match `match`, once it is
+        checked that the download wrote nothing."""
+        with pytest.raises(DataError, match=match) as e:
+            self.download()
+        self.assert_nothing_written()
+        return str(e.value)
+
 
 def _response(body: bytes, status: str = "200 OK", length: int | None = None, headers: str = "") -> bytes:
     length = len(body) if length is None else length
@@ -187,30 +195,21 @@ def test_crlf_line_ends_are_removed(mirror):
 def test_checksum_mismatch_names_the_file_and_writes_nothing(mirror):
     mirror.add("train", "de", "train.de.gz", _gz(DE))
     mirror.add("train", "en", "train.en.gz", _gz(EN), sha256=_sha(b"something else"))
-    with pytest.raises(DataError, match="checksum mismatch") as e:
-        mirror.download()
-    assert "train.en.gz" in str(e.value)
-    mirror.assert_nothing_written()
+    assert "train.en.gz" in mirror.refusal("checksum mismatch")
 
 
 def test_truncated_gzip_is_refused_and_nothing_written(mirror):
     mirror.add("train", "de", "train.de.gz", _gz(DE))
     truncated = _gz(EN * 50)[:-30]
     mirror.add("train", "en", "train.en.gz", truncated)  # checksum of the truncated bytes: only gzip can tell
-    with pytest.raises(DataError, match="truncated or corrupt") as e:
-        mirror.download()
-    assert "train.en.gz" in str(e.value)
-    mirror.assert_nothing_written()
+    assert "train.en.gz" in mirror.refusal("truncated or corrupt")
 
 
 def test_file_missing_from_mirror_names_the_expected_path(mirror):
     mirror.add("train", "de", "train.de.gz", _gz(DE))
     mirror.add("train", "en", "train.en.gz", _gz(EN))
     (mirror.root / mirror.corpus / "train.en.gz").unlink()
-    with pytest.raises(DataError, match="not in the mirror") as e:
-        mirror.download()
-    assert str(mirror.root / mirror.corpus / "train.en.gz") in str(e.value)
-    mirror.assert_nothing_written()
+    assert str(mirror.root / mirror.corpus / "train.en.gz") in mirror.refusal("not in the mirror")
 
 
 def test_failure_keeps_a_previous_output_directory(mirror):
@@ -226,10 +225,7 @@ def test_failure_keeps_a_previous_output_directory(mirror):
 def test_non_utf8_source_names_file_and_line(mirror):
     mirror.add("train", "de", "train.de", b"gut\nschlecht \xff\n")
     mirror.add("train", "en", "train.en.gz", _gz(EN[:2]))
-    with pytest.raises(DataError, match="not valid UTF-8") as e:
-        mirror.download()
-    assert "train.de:2" in str(e.value)
-    mirror.assert_nothing_written()
+    assert "train.de:2" in mirror.refusal("not valid UTF-8")
 
 
 def test_archive_member_is_read(mirror):
@@ -246,9 +242,7 @@ def test_archive_member_that_is_absent_is_named(mirror):
     archive = _tar_gz([tarfile.TarInfo("corpus/train.de")], contents)
     mirror.add("train", "de", "corpus.tgz", archive, member="corpus/train.de")
     mirror.add("train", "en", "corpus.tgz", archive, member="corpus/train.fr")
-    with pytest.raises(DataError, match="corpus/train.fr"):
-        mirror.download()
-    mirror.assert_nothing_written()
+    mirror.refusal("corpus/train.fr")
 
 
 def test_archive_with_parent_directory_member_is_refused(mirror):
@@ -256,10 +250,7 @@ def test_archive_with_parent_directory_member_is_refused(mirror):
     archive = _tar_gz([tarfile.TarInfo("corpus/train.de"), tarfile.TarInfo("../evil")], contents)
     mirror.add("train", "de", "evil.tgz", archive, member="corpus/train.de")
     mirror.add("train", "en", "train.en.gz", _gz(EN))
-    with pytest.raises(DataError, match="unsafe") as e:
-        mirror.download()
-    assert "../evil" in str(e.value)
-    mirror.assert_nothing_written()
+    assert "../evil" in mirror.refusal("unsafe")
     assert not (mirror.root.parent / "evil").exists()
 
 
@@ -270,9 +261,7 @@ def test_archive_with_symlink_member_is_refused(mirror):
     archive = _tar_gz([link, tarfile.TarInfo("corpus/train.en")], contents)
     mirror.add("train", "de", "links.tgz", archive, member="corpus/train.de")
     mirror.add("train", "en", "links.tgz", archive, member="corpus/train.en")
-    with pytest.raises(DataError, match="unsafe"):
-        mirror.download()
-    mirror.assert_nothing_written()
+    mirror.refusal("unsafe")
 
 
 def test_local_path_sources_are_resolved_next_to_the_registry(tmp_path, monkeypatch):
@@ -336,9 +325,7 @@ def test_unpinned_checksum_warns_with_the_digest_and_still_works(mirror, capsys)
 
 def test_missing_language_in_a_split_is_named(mirror):
     mirror.add("train", "de", "train.de.gz", _gz(DE))
-    with pytest.raises(DataError, match="no language 'en'"):
-        mirror.download()
-    mirror.assert_nothing_written()
+    mirror.refusal("no language 'en'")
 
 
 @pytest.mark.parametrize(
@@ -421,12 +408,9 @@ def test_a_network_error_is_one_line_naming_the_url(server, response, why):
     server.add("train", "de", "train.de.gz", _gz(DE))
     server.add("train", "en", "train.en.gz", _gz(EN))
     server.routes["/train.en.gz"] = response(_gz(EN))
-    with pytest.raises(DataError, match=why) as e:
-        server.download()
-    message = str(e.value)
+    message = server.refusal(why)
     assert message.startswith(f"{server.url}/train.en.gz: download failed") and "\n" not in message
     assert MIRROR_ENV in message
-    server.assert_nothing_written()
 
 
 def test_a_redirect_from_https_to_plain_http_is_refused(https):
@@ -435,11 +419,8 @@ def test_a_redirect_from_https_to_plain_http_is_refused(https):
     plain = https.url.replace("https://", "http://")
     https.routes["/old/train.de.gz"] = _response(b"", "302 Found", headers=f"Location: {plain}/train.de.gz\r\n")
     https.put("train.de.gz", _gz(DE))
-    with pytest.raises(DataError, match="redirected from https to http://") as e:
-        https.download()
-    assert str(e.value).startswith(f"{https.url}/old/train.de.gz: ")
+    assert https.refusal("redirected from https to http://").startswith(f"{https.url}/old/train.de.gz: ")
     assert https.requests == ["/old/train.de.gz"]  # the plain-http copy is never asked for
-    https.assert_nothing_written()
 
 
 def test_redirects_that_stay_on_https_are_followed(https):

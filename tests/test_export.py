@@ -9,49 +9,23 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import BIN, ROOT, project_copy, run, tiny_params
-from test_serve import SRC_LINES, model_and_vocab  # noqa: F401 (a fixture)
+from conftest import BIN, ROOT, project_copy, run, tiny_model_file, tiny_params
+from test_serve import model_and_vocab  # noqa: F401 (a fixture)
+from test_translate import SRC_LINES, word_vocabs
 
 from transformer import checkpoints
 from transformer.cli import main
 from transformer.config import load_params
-from transformer.data.vocab import EOS, PAD, WordVocab
+from transformer.data.vocab import EOS
 from transformer.decoding.search import greedy
 from transformer.decoding.translate import Translator
-from transformer.model.model import make_model
 from transformer.serving.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 
 LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
 
 
 def _model_file(path, norm: str, seed: int, decoder_N: int = 0):
-    src = WordVocab.build(SRC_LINES, min_freq=1)
-    tgt = WordVocab.build(["a dog runs", "two men play football", "a woman reads a book", "a child"], min_freq=1)
-    config = {
-        "src_vocab": len(src),
-        "tgt_vocab": len(tgt),
-        "N": 2,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.0,
-        "norm": norm,
-        "tie_embeddings": False,
-        "pad": PAD,
-        "decoder_N": decoder_N,
-    }
-    torch.manual_seed(seed)
-    checkpoints.save(
-        path,
-        {
-            "model": make_model(**config).state_dict(),
-            "model_config": config,
-            "params": load_params(ROOT / "params.yaml").to_dict(),
-            "vocab": {"src": src.state(), "tgt": tgt.state()},
-            "step": 1,
-        },
-    )
-    return path
+    return tiny_model_file(path, *word_vocabs(), seed=seed, N=2, norm=norm, decoder_N=decoder_N)
 
 
 @pytest.mark.parametrize("norm, decoder_N", [("pre", 0), ("post", 0), ("pre", 1)])

@@ -7,25 +7,21 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_params, train_outputs
+from conftest import tiny_model, tiny_params, train_outputs
 
 from transformer.config import params_from_dict
-from transformer.data.vocab import PAD
 from transformer.decoding.search import beam_search, greedy
 from transformer.kernels import select
 from transformer.kernels.select import attention_kernels
 from transformer.kernels.softmax import float32_softmax
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.model import make_model
 from transformer.training import train as train_module
 from transformer.training.loss import token_loss
 
 
 def _model(N: int = 2):
     torch.manual_seed(0)
-    return make_model(
-        src_vocab=20, tgt_vocab=20, N=N, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=PAD
-    ).eval()
+    return tiny_model(src_vocab=20, tgt_vocab=20, N=N, tie_embeddings=True).eval()
 
 
 def _src():

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, MlflowServer, run, tiny_params, tool_env, write_toy_corpus
+from conftest import ROOT, MlflowServer, run, tiny_params, write_toy_corpus
 
 STAGES = ROOT / "stages"
+
+pytestmark = pytest.mark.slow  # every test here runs the stages
 
 
 def _commands() -> dict[str, list[str]]:
@@ -136,24 +138,12 @@ def _stage(
 ) -> subprocess.CompletedProcess:
     script, *args = _commands()[name]
     cmd = [sys.executable, str(STAGES / script), *args, *extra]
-    if file_limit is None:
-        return run(cmd, d, check=check, env=env)
 
     def limit_file_size():  # a write past the limit fails as a full disk would (EFBIG instead of ENOSPC)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    full_env = tool_env(**(env or {}))
-    return subprocess.run(
-        cmd,
-        cwd=d,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=full_env,
-        stdin=subprocess.DEVNULL,
-        preexec_fn=limit_file_size,
-    )
+    return run(cmd, d, check=check, env=env, preexec_fn=None if file_limit is None else limit_file_size)
 
 
 @pytest.fixture(scope="module")
@@ -206,40 +196,34 @@ def _drop_last_line(path: Path) -> None:
     path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:-1]))
 
 
-@pytest.mark.slow
 def test_download_with_an_unknown_params_key_names_the_key(work):
     _edit_params(work, "data", "corpuss", "toy")
     line = _assert_fails_cleanly(work, "download", "params.yaml")
     assert "'data.corpuss'" in line
 
 
-@pytest.mark.slow
 def test_tokenize_of_a_misaligned_val_split_names_the_file(work):
     _drop_last_line(work / "raw" / "val.en")
     line = _assert_fails_cleanly(work, "tokenize", "raw/val.de")
     assert "has 20 lines" in line and "val.en has 19" in line
 
 
-@pytest.mark.slow
 def test_tokenize_on_a_full_disk_names_the_output(work):
     _assert_fails_cleanly(work, "tokenize", "tok", file_limit=4096)  # train.de alone is larger
 
 
-@pytest.mark.slow
 def test_build_vocab_of_a_misaligned_val_split_names_the_file(work):
     _drop_last_line(work / "tok" / "val.en")
     line = _assert_fails_cleanly(work, "build_vocab", "tok/val.de")
     assert "misaligned" in line
 
 
-@pytest.mark.slow
 def test_train_with_a_model_shape_that_does_not_divide_names_the_key(work):
     _edit_params(work, "model", "h", 3)  # d_model 32 is not divisible by 3 heads
     line = _assert_fails_cleanly(work, "train", "params.yaml")
     assert "model.d_model" in line or "model.h" in line
 
 
-@pytest.mark.slow
 def test_average_with_a_truncated_newest_checkpoint_names_it(work):
     newest = sorted((work / "ckpt").glob("ckpt_*.pt"))[-1]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
@@ -247,13 +231,11 @@ def test_average_with_a_truncated_newest_checkpoint_names_it(work):
     assert "truncated or corrupt" in line
 
 
-@pytest.mark.slow
 def test_average_on_a_full_disk_keeps_the_previous_model(work):
     limit = (work / "model" / "model.pt").stat().st_size // 2
     _assert_fails_cleanly(work, "average_checkpoints", "model/model.pt", file_limit=limit)
 
 
-@pytest.mark.slow
 def test_decode_with_a_vocabulary_from_another_run_names_it(work):
     from transformer.data.vocab import build_vocabs
 
@@ -263,21 +245,18 @@ def test_decode_with_a_vocabulary_from_another_run_names_it(work):
     assert "does not match" in line
 
 
-@pytest.mark.slow
 def test_score_of_a_short_translation_names_the_file(work):
     _drop_last_line(work / "translations" / "val.txt")
     line = _assert_fails_cleanly(work, "score", "translations/val.txt")
     assert "has 19 lines" in line
 
 
-@pytest.mark.slow
 def test_figures_from_a_torn_training_report_name_it(work):
     steps = work / "reports" / "train_steps.tsv"
     steps.write_text(steps.read_text() + "12\t0.5\n")
     _assert_fails_cleanly(work, "figures", "reports/train_steps.tsv")
 
 
-@pytest.mark.slow
 def test_report_from_scores_that_are_not_json_names_them(work):
     (work / "scores.json").write_text('{"val": {"bleu": 1')
     _assert_fails_cleanly(work, "report", "scores.json")
@@ -341,7 +320,6 @@ class _DyingServer:
         return Forward
 
 
-@pytest.mark.slow
 def test_train_whose_tracking_server_dies_after_its_outputs_fails_in_one_line_and_keeps_them(tmp_path, good):
     from transformer import checkpoints
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BIN, ROOT, run
+from conftest import BIN, ROOT, run, tiny_config, tiny_model
 
 from transformer import checkpoints
 from transformer.config import load_params
-from transformer.data.vocab import PAD, SPECIALS, WordVocab
+from transformer.data.vocab import SPECIALS, WordVocab
 from transformer.evaluation.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
 from transformer.io import DataError
-from transformer.model.model import make_model
 
 WORDS = ["kan", "pen", "bin", "don", "."]
 
@@ -19,19 +18,8 @@ WORDS = ["kan", "pen", "bin", "don", "."]
 def _tiny(h: int = 2):
     torch.manual_seed(0)
     vocab = WordVocab(list(SPECIALS) + WORDS)
-    config = {
-        "src_vocab": len(vocab),
-        "tgt_vocab": len(vocab),
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": h,
-        "dropout": 0.0,
-        "norm": "pre",
-        "tie_embeddings": False,
-        "pad": PAD,
-    }
-    return make_model(**config), vocab, config
+    config = tiny_config(len(vocab), len(vocab), h=h)
+    return tiny_model(**config), vocab, config
 
 
 def _checkpoint(tmp_path):

@@ -8,15 +8,13 @@ import tomllib
 import pytest
 import torch
 import yaml
-from conftest import ROOT, tiny_params
+from conftest import ROOT, tiny_config, tiny_model, tiny_params
 
 from transformer.checkpoints import average_state_dicts
 from transformer.config import ADDED_TRAIN_KEYS, METRICS, load_params, params_from_dict
-from transformer.data.vocab import PAD
 from transformer.evaluation import report, system
 from transformer.evaluation.system import describe_model
 from transformer.io import DataError, write_json
-from transformer.model.model import make_model
 from transformer.presets import names, recipe
 
 SCORES = {
@@ -147,19 +145,8 @@ def test_the_report_counts_a_tied_embedding_once():
     """The averaged file holds the tied embedding under three names (source, target, generator),
     each its own tensor; the model as built has it once."""
     torch.manual_seed(0)
-    config = {
-        "src_vocab": 40,
-        "tgt_vocab": 40,
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.0,
-        "norm": "pre",
-        "tie_embeddings": True,
-        "pad": PAD,
-    }
-    model = make_model(**config)
+    config = tiny_config(40, 40, tie_embeddings=True)
+    model = tiny_model(**config)
     built = sum(p.numel() for p in model.parameters())
     averaged = average_state_dicts([model.state_dict(), model.state_dict()])
     assert sum(t.numel() for t in averaged.values()) == built + 2 * 40 * 16
@@ -172,20 +159,8 @@ def test_the_report_counts_a_tied_embedding_once():
     "decoder_N, model", [(0, "N=2, d_model=16"), (2, "N=2, d_model=16"), (1, "N=2 (decoder 1), d_model=16")]
 )
 def test_the_report_names_the_decoders_depth_where_it_differs_from_the_encoders(decoder_N, model):
-    config = {
-        "src_vocab": 40,
-        "tgt_vocab": 40,
-        "N": 2,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.0,
-        "norm": "pre",
-        "tie_embeddings": True,
-        "pad": PAD,
-        "decoder_N": decoder_N,
-    }
-    described = describe_model({"model": make_model(**config).state_dict(), "model_config": config, "step": 1})
+    config = tiny_config(40, 40, N=2, tie_embeddings=True, decoder_N=decoder_N)
+    described = describe_model({"model": tiny_model(**config).state_dict(), "model_config": config, "step": 1})
     assert described["model"].startswith(model + ",")
 
 
@@ -357,19 +332,8 @@ def test_a_stage_that_resumed_counts_the_earlier_invocations_time_and_the_report
 
 
 def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_training_times():
-    config = {
-        "src_vocab": 40,
-        "tgt_vocab": 40,
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.0,
-        "norm": "pre",
-        "tie_embeddings": True,
-        "pad": PAD,
-    }
-    one = sum(p.numel() for p in make_model(**config).parameters())
+    config = tiny_config(40, 40, tie_embeddings=True)
+    one = sum(p.numel() for p in tiny_model(**config).parameters())
     described = describe_model(
         {"model_config": config, "step": 9, "train_time_s": 600.0, "members": [{"seed": 3}, {"seed": 4}]}
     )

@@ -28,6 +28,8 @@ from conftest import (
     free_port,
     run,
     tgz,
+    tiny_model,
+    tiny_model_file,
     tiny_params,
     tool_env,
     torchrun,
@@ -47,7 +49,7 @@ from transformer.kernels import select
 from transformer.kernels.select import attention_kernels
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.layers import FeedForward
-from transformer.model.model import check_model_config, make_model
+from transformer.model.model import check_model_config
 from transformer.presets import names, recipe
 from transformer.training.loss import smoothed_cross_entropy, token_loss
 
@@ -295,9 +297,7 @@ V = 20
 
 
 def _tiny(**kw) -> torch.nn.Module:
-    return make_model(
-        src_vocab=V, tgt_vocab=V, N=1, d_model=16, d_ff=32, h=2, norm="pre", tie_embeddings=True, pad=PAD, **kw
-    )
+    return tiny_model(src_vocab=V, tgt_vocab=V, tie_embeddings=True, **kw)
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -610,30 +610,11 @@ def test_params_that_become_path_components_are_checked_by_key(key, value):
 
 
 def _model_file(tmp_path: Path, **config_changes) -> Path:
-    config = {
-        "src_vocab": 12,
-        "tgt_vocab": 12,
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.1,
-        "norm": "pre",
-        "tie_embeddings": False,
-        "pad": PAD,
-    }
     vocab = WordVocab(["<s>", "</s>", "<blank>", "<unk>"] + [f"w{i}" for i in range(8)])
-    path = tmp_path / "model.pt"
-    checkpoints.save(
-        path,
-        {
-            "model": make_model(**config).state_dict(),
-            "model_config": config | config_changes,
-            "params": params_from_dict(_preset("params")).to_dict(),
-            "vocab": {"src": vocab.state(), "tgt": vocab.state()},
-            "step": 1,
-        },
-    )
+    params = params_from_dict(_preset("params")).to_dict()
+    path = tiny_model_file(tmp_path / "model.pt", vocab, vocab, params, dropout=0.1)
+    checkpoint = checkpoints.load(path)
+    checkpoints.save(path, checkpoint | {"model_config": checkpoint["model_config"] | config_changes})
     return path
 
 

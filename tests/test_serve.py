@@ -12,55 +12,27 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import BIN, ROOT, free_port, run, stop_group, tool_env, wait_for_http
-from test_translate import never_ending
+from conftest import BIN, ROOT, free_port, run, stop_group, tiny_model_file, tool_env, wait_for_http
+from test_translate import SRC_LINES, TGT_LINES, never_ending, word_vocabs
 
-from transformer import checkpoints
 from transformer.config import load_params
-from transformer.data.vocab import PAD, BpeVocab, WordVocab, save_vocabs
-from transformer.model.model import make_model
+from transformer.data.vocab import BpeVocab, WordVocab, save_vocabs
 
-SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau liest ein Buch", "ein Kind"]
-TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
 SENTENCES = ["ein Hund läuft.", "eine Frau liest ein Buch"]
 
 
-def _save_model(directory: Path, src, tgt, weights=lambda w: w, **decode) -> tuple[Path, Path]:
+def _save_model(directory: Path, src, tgt, weights=None, **decode) -> tuple[Path, Path]:
     """A tiny untrained model file, `weights` applied to its weights and `decode` to its decode params
     (beam 2 unless said), and the vocab.pt it was built with."""
-    config = {
-        "src_vocab": len(src),
-        "tgt_vocab": len(tgt),
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.0,
-        "norm": "pre",
-        "tie_embeddings": False,
-        "pad": PAD,
-    }
-    torch.manual_seed(0)
     save_vocabs(directory / "vocab", src, tgt)
     params = load_params(ROOT / "params.yaml").to_dict()
-    checkpoints.save(
-        directory / "model.pt",
-        {
-            "model": weights(make_model(**config).state_dict()),
-            "model_config": config,
-            "params": params | {"decode": params["decode"] | {"beam": 2} | decode},
-            "vocab": {"src": src.state(), "tgt": tgt.state()},
-            "step": 1,
-        },
-    )
-    return directory / "model.pt", directory / "vocab" / "vocab.pt"
+    params["decode"] |= {"beam": 2} | decode
+    return tiny_model_file(directory / "model.pt", src, tgt, params, weights=weights), directory / "vocab" / "vocab.pt"
 
 
 @pytest.fixture(scope="module")
 def model_and_vocab(tmp_path_factory) -> tuple[Path, Path]:
-    src, tgt = WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
-    return _save_model(tmp_path_factory.mktemp("served"), src, tgt)
+    return _save_model(tmp_path_factory.mktemp("served"), *word_vocabs())
 
 
 @pytest.fixture(scope="module")

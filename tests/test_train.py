@@ -205,13 +205,10 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
 
 
 def test_weight_decay_shrinks_weight_matrices_and_leaves_norms_and_biases():
-    from transformer.model.model import make_model
     from transformer.training.train import make_optimizer
 
     torch.manual_seed(0)
-    model = make_model(
-        src_vocab=30, tgt_vocab=30, N=1, d_model=16, d_ff=32, h=2, dropout=0.0, norm="pre", tie_embeddings=True, pad=2
-    )
+    model = tiny_model(src_vocab=30, tgt_vocab=30, tie_embeddings=True)
     assert type(make_optimizer(model, 0.0, torch.device("cpu"))) is torch.optim.Adam  # the paper's, as before
     optimizer = make_optimizer(model, 0.1, torch.device("cpu"))
     before = {name: w.detach().clone() for name, w in model.named_parameters()}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, tiny_model_file
 
 from transformer import checkpoints
 from transformer.config import load_params
-from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, WordVocab
+from transformer.data.vocab import BOS, EOS, SPECIALS, WordVocab
 from transformer.decoding.translate import Translator, timed_translate
 from transformer.io import DataError
 from transformer.model.model import make_model
@@ -22,7 +22,7 @@ SRC_LINES = ["ein Hund läuft", "zwei Männer spielen Fußball", "eine Frau lies
 TGT_LINES = ["a dog runs", "two men play football", "a woman reads a book", "a child"]
 
 
-def _vocabs() -> tuple[WordVocab, WordVocab]:
+def word_vocabs() -> tuple[WordVocab, WordVocab]:
     return WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
 
 
@@ -34,35 +34,9 @@ def _search(**overrides) -> dict:
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> Path:
     """A tiny, untrained model saved the way average_checkpoints saves one."""
-    src, tgt = _vocabs()
-    config = {
-        "src_vocab": len(src),
-        "tgt_vocab": len(tgt),
-        "N": 1,
-        "d_model": 16,
-        "d_ff": 32,
-        "h": 2,
-        "dropout": 0.1,
-        "norm": "pre",
-        "tie_embeddings": False,
-        "pad": PAD,
-    }
-    torch.manual_seed(0)
-    model = make_model(**config)
-    path = tmp_path_factory.mktemp("model") / "model.pt"
     params = load_params(ROOT / "params.yaml").to_dict()
     assert (params["data"]["src_lang"], params["data"]["tgt_lang"]) == ("de", "en")
-    checkpoints.save(
-        path,
-        {
-            "model": model.state_dict(),
-            "model_config": config,
-            "params": params,
-            "vocab": {"src": src.state(), "tgt": tgt.state()},
-            "step": 1,
-        },
-    )
-    return path
+    return tiny_model_file(tmp_path_factory.mktemp("model") / "model.pt", *word_vocabs(), params, dropout=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +101,7 @@ def test_a_translation_that_never_ends_stops_at_source_length_plus_extra(never_e
 
 
 def test_outputs_contain_only_target_words(translator):
-    _, tgt = _vocabs()
+    _, tgt = word_vocabs()
     words = set(tgt.itos[4:])
     out = translator.translate_tokenized(SRC_LINES, **_search(beam=3, max_len_extra=4))
     assert sum(len(line.split()) for line in out) > 0, "an empty output proves nothing"
@@ -188,7 +162,7 @@ def test_a_timeout_stops_decoding_at_its_first_step_after_it(never_ending_transl
 def test_same_vocabulary_passes_the_check(translator, tmp_path):
     from transformer.data.vocab import fingerprint, load_vocabs, save_vocabs
 
-    save_vocabs(tmp_path, *_vocabs())  # as build_vocab writes it and decode reads it back
+    save_vocabs(tmp_path, *word_vocabs())  # as build_vocab writes it and decode reads it back
     src, tgt = load_vocabs(tmp_path)
     assert (fingerprint(src), fingerprint(tgt)) == (
         fingerprint(translator.src_vocab),
@@ -198,7 +172,7 @@ def test_same_vocabulary_passes_the_check(translator, tmp_path):
 
 
 def test_other_vocabulary_is_refused(translator, tmp_path):
-    src, tgt = _vocabs()
+    src, tgt = word_vocabs()
     other = WordVocab.build(TGT_LINES + ["a cat"], min_freq=1)
     with pytest.raises(DataError, match="does not match") as e:
         translator.check_vocab(src, other, tmp_path / "vocab")

@@ -4,6 +4,7 @@ record; this module is where that is decided: on every other rank its writes do 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -26,6 +27,19 @@ def say(env: Dist, message: str) -> None:
     """A line on stderr from rank 0 alone: the other ranks would repeat it."""
     if env.main:
         print(message, file=sys.stderr, flush=True)
+
+
+def rank0(method):
+    """A RunRecord method that rank 0 alone runs (it keeps the history, writes, logs and says);
+    on every other rank the call does nothing."""
+
+    @functools.wraps(method)
+    def on_rank0(self, *args, **kwargs):
+        if self.env.main:
+            return method(self, *args, **kwargs)
+        return None
+
+    return on_rank0
 
 
 @dataclass
@@ -86,9 +100,10 @@ class RunRecord:
         self.batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
         self.peaks: list[float] = []  # every rank's peak resident set (MiB), as of the last collective
 
+    @rank0
     def track(self, tracker_factory) -> None:
-        """Rank 0 opens the run's MLflow run, the checkpoint's where it continues one."""
-        if self.env.main and tracker_factory is not None:
+        """Opens the run's MLflow run, the checkpoint's where it continues one."""
+        if tracker_factory is not None:
             self.tracker = start_tracking(self.params, self.progress, tracker_factory)
 
     def finish(self) -> None:
@@ -150,19 +165,21 @@ class RunRecord:
                     "Lower train.factor or raise train.warmup."
                 )
             rows.append({"step": x.step, "loss": loss / x.tokens, "lr": x.lr, "tokens_per_s": tokens_per_s})
-        wait_ms = 1000 * wait_s / len(rows)
         self.pending = []
-        if self.env.main:
-            self.progress.steps.extend(rows)
-            if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
-                self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms}])
+        self._keep(rows, 1000 * wait_s / len(rows))
         last = rows[-1]
         return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
 
+    @rank0
+    def _keep(self, rows: list[dict[str, float]], wait_ms: float) -> None:
+        """The updates' rows in the run's history, and in MLflow with the mean batch wait."""
+        self.progress.steps.extend(rows)
+        if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
+            self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms}])
+
+    @rank0
     def validated(self, epoch: float, measure) -> None:
-        """Rank 0 measures (`measure()`: the val_ columns) and records a validation."""
-        if not self.env.main:
-            return
+        """Measures (`measure()`: the val_ columns) and records a validation."""
         pr, measured = self.progress, measure()
         recent = [r["loss"] for r in pr.steps[-200:]]
         row = {"epoch": epoch, "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1)} | measured
@@ -175,16 +192,15 @@ class RunRecord:
         if self.tracker:
             self.tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
 
+    @rank0
     def stopping_early(self, patience: int) -> None:
-        if self.env.main:  # the history is rank 0's
-            best = max(bleus(self.progress.epochs))
-            self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
+        best = max(bleus(self.progress.epochs))
+        self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
 
+    @rank0
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: list[dict], stopped: bool) -> None:
-        """Rank 0's checkpoint of the run so far (every rank's generators, `rng`), the old ones pruned,
-        and the reports; weights that became non-finite stop the run instead."""
-        if not self.env.main:
-            return
+        """A checkpoint of the run so far (every rank's generators, `rng`), the old ones pruned, and the
+        reports; weights that became non-finite stop the run instead."""
         pr = self.progress
         # A finite loss was computed before the last update, which can still overflow the weights.
         broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
@@ -208,22 +224,22 @@ class RunRecord:
     def report(self, stopped: bool) -> dict[str, Any]:
         """The run's summary, which rank 0 writes with the step and epoch reports."""
         self.progress.wall_s = self.clock.wall_s()
-        pr = self.progress
-        summary = _summary(pr, stopped) | {
-            "resumed_s": round(self.clock.resumed_s, 1),
-            "tokens_per_s": _mean_rate(pr.steps[-50:]),
-            "batch_wait_s": round(self.clock.batch_wait_s, 3),
+        peaks = {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)}
+        summary = _summary(self.progress, self.clock, stopped) | {
             "batch_shapes": self.batch_shapes,
-            "peak_rss_mb": {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)},
+            "peak_rss_mb": peaks,
         }
-        if self.env.main:
-            _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
-            columns = ("epoch", "step", "train_loss", "val_loss", "val_ppl") + (
-                ("val_bleu",) if bleus(pr.epochs) else ()
-            )
-            _write_tsv(self.out.epochs, pr.epochs, columns)
-            write_json(self.out.summary, summary)
+        self._write(summary)
         return summary
+
+    @rank0
+    def _write(self, summary: dict[str, Any]) -> None:
+        """The step and epoch reports (TSV) and the summary (JSON)."""
+        pr = self.progress
+        _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
+        val_bleu = ("val_bleu",) if bleus(pr.epochs) else ()
+        _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl") + val_bleu)
+        write_json(self.out.summary, summary)
 
 
 def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict[str, Any]:
@@ -242,8 +258,8 @@ def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict
     }
 
 
-def _summary(pr: Progress, stopped: bool) -> dict[str, Any]:
-    last = pr.epochs[-1] if pr.epochs else {}
+def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
+    last, recent = pr.epochs[-1] if pr.epochs else {}, pr.steps[-50:]
     return {
         "steps": pr.step,
         "epochs": last.get("epoch", 0),
@@ -254,11 +270,10 @@ def _summary(pr: Progress, stopped: bool) -> dict[str, Any]:
         "stopped_early": stopped,
         "train_time_s": round(pr.train_time_s, 1),
         "wall_s": round(pr.wall_s, 1),
+        "resumed_s": round(clock.resumed_s, 1),
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
+        "batch_wait_s": round(clock.batch_wait_s, 3),
     }
-
-
-def _mean_rate(recent: list[dict[str, float]]) -> float | None:
-    return round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None
 
 
 def start_tracking(params: Params, progress: Progress, tracker_factory):

@@ -46,13 +46,14 @@ def main(
     track: bool,
 ) -> Resumed:
     from transformer import tracking
-    from transformer.training.train import Outputs, train_members
+    from transformer.training.train import Outputs, train
 
     params = load_params(params_path)
     if track:
         tracking.check_reachable(tracking.tracking_uri())  # before any training work
     outputs = Outputs(ckpt_dir, steps, epochs, summary)
-    results = train_members(params, vocab, outputs, tracking.Tracker if track else None, tokenized, references)
+    tracker_factory = tracking.open_run if track else None
+    results = train(params, vocab, outputs, tracker_factory, tokenized=tokenized, references=references)
     for seed, result in zip(params.train.member_seeds(), results):
         click.echo(f"trained (seed {seed}): {result}", err=True)
     return Resumed(sum(r["resumed_s"] for r in results))  # what earlier invocations spent on the work resumed

@@ -76,7 +76,7 @@ dist.init_process_group, training.make_model = counted, kept
 register_optimizer_step_pre_hook(rounded_to_bf16)
 reports = out / "reports"
 outputs = training.Outputs(out / "ckpt", reports / "steps.tsv", reports / "epochs.tsv", reports / "train.json")
-training.train_members(load_params(sys.argv[2]), Path(sys.argv[3]), outputs)
+training.train(load_params(sys.argv[2]), Path(sys.argv[3]), outputs)
 torch.save([m.state_dict() for m in models], out / f"weights.{rank}.pt")
 report = {"inits": len(inits), "group_left": not dist.is_initialized(), "bf16_grads": bf16_grads}
 (out / f"report.{rank}.json").write_text(json.dumps(report))

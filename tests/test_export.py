@@ -136,10 +136,10 @@ def test_a_store_that_dies_under_a_failed_run_leaves_the_runs_own_error_to_be_se
     from mlflow.exceptions import MlflowException
 
     from transformer.errors import TrackingError
-    from transformer.tracking import Tracker
+    from transformer.tracking import open_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    tracker = Tracker("toy", run_name="train")
+    tracker = open_run("toy", run_name="train")
 
     def dead(*args, **kwargs):
         raise MlflowException("the server went away")

@@ -242,7 +242,7 @@ def test_final_upload_starts_after_every_rank_has_left_the_collectives(tmp_path,
 
 
 def test_validation_batches_put_pairs_longer_than_max_tokens_alone():
-    from transformer.training.train import validation_batches
+    from transformer.training.validation import validation_batches
 
     src_lens = torch.tensor([5, 30, 4, 6, 50, 7, 3])
     tgt_lens = torch.tensor([6, 4, 5, 40, 3, 5, 4])
@@ -275,7 +275,7 @@ def test_validation_pair_longer_than_max_tokens_does_not_stop_the_first_epoch(tm
     assert int(torch.maximum(valid.src_lens, valid.tgt_lens).max()) > max_tokens, "the long pair must exceed max_tokens"
 
     params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_tokens": max_tokens}))
-    summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
+    (summary,) = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["epochs"] == 1 and math.isfinite(summary["val_loss"])
 
 

@@ -39,7 +39,7 @@ def _client(store: Path):
 
 
 def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, store):
-    tracker = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
+    tracker = tracking.open_run(EXPERIMENT, run_name=tracking.run_name("train"))
     rows = [{"step": s, "loss": 1.0 / s, "lr": s * 1e-4} for s in range(1, 61)]
     for i in range(0, 60, 20):  # as train.py sends them: a tick's rows at once
         tracker.log_rows(rows[i : i + 20])
@@ -51,7 +51,7 @@ def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, s
 
 
 def test_a_watched_run_logs_the_machines_cpu_and_memory_until_it_ends(tracking, store):
-    tracker = tracking.Tracker(EXPERIMENT)
+    tracker = tracking.open_run(EXPERIMENT)
     tracker.watch_system(resumed=False, every_s=0.2)
     time.sleep(1.5)
     tracker.end()
@@ -63,7 +63,7 @@ def test_a_watched_run_logs_the_machines_cpu_and_memory_until_it_ends(tracking, 
 
 
 def test_a_metric_the_store_refuses_fails_the_run_when_it_ends(tracking, store):
-    tracker = tracking.Tracker(EXPERIMENT)
+    tracker = tracking.open_run(EXPERIMENT)
     tracker.log_metrics({"x" * 300: 1.0}, 1)  # longer than a metric key may be: refused by the store, later
     with pytest.raises(TrackingError, match="MLflow logging failed"):
         tracker.end()
@@ -74,7 +74,7 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
     tracking, store, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("DVC_EXP_NAME", "bushy-lynx")
-    training = tracking.Tracker(EXPERIMENT, run_name=tracking.run_name("train"))
+    training = tracking.open_run(EXPERIMENT, run_name=tracking.run_name("train"))
     training.end()
     test, train = tmp_path / "test2016.en", tmp_path / "train.en"
     test.write_text("a b.\n")
@@ -108,9 +108,9 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
 
 
 def test_a_later_stage_adds_its_files_to_a_finished_run_and_nothing_when_untracked(tracking, store, tmp_path):
-    training = tracking.Tracker(EXPERIMENT)
+    training = tracking.open_run(EXPERIMENT)
     training.end()
-    evaluation = tracking.Tracker("", parent_run_id=training.run_id)
+    evaluation = tracking.open_run("", parent_run_id=training.run_id)
     evaluation.end()
     model = tmp_path / "model.pt"
     model.write_bytes(b"weights")
@@ -128,7 +128,7 @@ def test_runs_table_url_names_the_recipes_experiment(tracking, store, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params()))
     assert tracking.runs_table_url(params, "http://h:1") == "http://h:1/#/experiments"  # no toy-de-en run yet
-    tracking.Tracker("toy-de-en").end()
+    tracking.open_run("toy-de-en").end()
     experiment = _client(store).get_experiment_by_name("toy-de-en")
     assert tracking.runs_table_url(params, "http://h:1") == f"http://h:1/#/experiments/{experiment.experiment_id}/runs"
 
@@ -137,9 +137,9 @@ def test_runs_a_store_lacks_are_said_and_replaced_not_a_traceback(tracking, stor
     """A checkpoint or model file may name a run of a store since deleted: a resumed training opens a
     new run, an evaluation stands alone in its experiment, a later stage's files are not logged."""
     gone = "0123456789abcdef0123456789abcdef"
-    resumed = tracking.Tracker(EXPERIMENT, run_id=gone, run_name="train")
+    resumed = tracking.open_run(EXPERIMENT, run_id=gone, run_name="train")
     resumed.end()
-    evaluation = tracking.Tracker(EXPERIMENT, run_name="evaluate", parent_run_id=gone)
+    evaluation = tracking.open_run(EXPERIMENT, run_name="evaluate", parent_run_id=gone)
     evaluation.end()
     tracking.log_to_run(gone, {"model": [tmp_path / "absent.pt"]})
     said = capsys.readouterr().err

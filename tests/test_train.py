@@ -95,7 +95,7 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
             }
         )
     )
-    summary = train(params, tmp_path / "vocab", train_outputs(tmp_path))
+    (summary,) = train(params, tmp_path / "vocab", train_outputs(tmp_path))
     assert summary["steps"] < 900  # a few hundred updates: seconds on an idle CPU
     assert summary["val_loss"] < 0.01  # nats per token
     checkpoints.save(tmp_path / "model.pt", checkpoints.average_checkpoints(tmp_path / "ckpt", 3))
@@ -132,7 +132,7 @@ def test_rdrop_trains_reproducibly_and_otherwise_than_one_pass(tmp_path, vocab_d
                 }
             )
         )
-        summary = train(params, vocab_dir, train_outputs(tmp_path / name))
+        (summary,) = train(params, vocab_dir, train_outputs(tmp_path / name))
         assert summary["val_loss"] < 4.0  # nats per token: it learns (uniform over the toy vocabulary: ~4.8)
         return _final_weights(tmp_path / name)
 
@@ -165,17 +165,17 @@ def test_partial_rdrop_killed_mid_epoch_resumes_to_bit_identical_weights(tmp_pat
         )
     )
     train_module.train(params, vocab_dir, train_outputs(tmp_path / "whole"))
-    update = train_module._Loop._update
+    update = train_module.Trainer._update
 
     def dying(loop, group):
         if loop.progress.step == 17:  # inside the second epoch (12 updates each), after the checkpoint of step 15
             raise RuntimeError("killed")
         update(loop, group)
 
-    monkeypatch.setattr(train_module._Loop, "_update", dying)
+    monkeypatch.setattr(train_module.Trainer, "_update", dying)
     with pytest.raises(RuntimeError, match="killed"):
         train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
-    monkeypatch.setattr(train_module._Loop, "_update", update)
+    monkeypatch.setattr(train_module.Trainer, "_update", update)
     capsys.readouterr()
     train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
     assert "(step 15, epoch 2)" in capsys.readouterr().err  # resumed mid-epoch, not started afresh
@@ -197,7 +197,7 @@ def test_rdrop_from_turns_rdrop_on_for_the_last_updates_only(tmp_path, vocab_dir
     params = params_from_dict(
         tiny_params(**{"train.epochs": 4, "train.rdrop": 5.0, "train.rdrop_from": 0.6, "model.dropout": 0.1})
     )
-    summary = train_module.train(params, vocab_dir, train_outputs(tmp_path / "late"))
+    (summary,) = train_module.train(params, vocab_dir, train_outputs(tmp_path / "late"))
     updates = summary["steps"]
     assert len(alphas) == updates > 10  # one micro-batch an update
     first = math.ceil(0.6 * updates)
@@ -263,7 +263,7 @@ def test_cpu_training_hands_freed_memory_back_every_release_every_updates(tmp_pa
     monkeypatch.setattr(train_module, "RELEASE_EVERY", 3)
     monkeypatch.setattr(train_module, "release_freed_memory", lambda: released.append(1))
     params = params_from_dict(tiny_params(**{"train.epochs": 2}))
-    updates = train_module.train(params, vocab_dir, train_outputs(tmp_path / "run"))["steps"]
+    updates = train_module.train(params, vocab_dir, train_outputs(tmp_path / "run"))[0]["steps"]
     assert updates >= 6 and len(released) == updates // 3
 
 
@@ -611,11 +611,13 @@ def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_i
     # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
     import transformer.training.train as train_module
     from transformer.kernels import packing
+    from transformer.training.record import RunRecord
 
     monkeypatch.setattr(packing, "counts_on_host", lambda t: False)
     monkeypatch.setattr(train_module, "LOG_EVERY", 5)
-    reads: dict[str, list[list[str]]] = {"_update": [], "_sync": []}
-    for name, method in [(name, getattr(train_module._Loop, name)) for name in reads]:
+    reads: dict[str, list[list[str]]] = {"_update": [], "sync": []}
+    owners = {"_update": train_module.Trainer, "sync": RunRecord}
+    for name, method in [(name, getattr(owners[name], name)) for name in reads]:
 
         def counted(self, *args, _method=method, _name=name, **kwargs):
             if torch.cuda.is_available() and _name == "_update":
@@ -629,11 +631,11 @@ def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_i
             reads[_name].append(calls.seen + ops.seen)
             return result
 
-        monkeypatch.setattr(train_module._Loop, name, counted)
+        monkeypatch.setattr(owners[name], name, counted)
     overrides = {"train.max_steps": 12, "train.rdrop": 5.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
     train_module.train(params_from_dict(tiny_params(**overrides)), vocab_dir, train_outputs(tmp_path / "run"))
     assert reads["_update"] == [[]] * 12
-    read = [r for r in reads["_sync"] if r]
+    read = [r for r in reads["sync"] if r]
     assert all(r == ["tolist"] for r in read), read  # the pending losses, all in one read
     assert len(read) == math.ceil(12 / 5)  # every 5 updates, and the last two at the end of the run
 
@@ -695,7 +697,7 @@ def _validations(out: Path) -> list[dict[str, float]]:
     ],
 )
 def test_patience_is_spent_after_that_many_validations_without_a_higher_bleu(bleus, patience, spent):
-    from transformer.training.train import patience_spent
+    from transformer.training.resume import patience_spent
 
     assert patience_spent(bleus, patience) is spent
 
@@ -885,7 +887,7 @@ def test_the_report_counts_each_epochs_batch_shapes_and_padding_to_8_makes_fewer
     for multiple in (1, 8):
         params = params_from_dict(tiny_params(**{"train.epochs": 2, "train.pad_multiple": multiple}))
         tracker = _Recorder()
-        summary = train(params, vocab_dir, train_outputs(tmp_path / str(multiple)), tracker.factory)
+        (summary,) = train(params, vocab_dir, train_outputs(tmp_path / str(multiple)), tracker.factory)
         expected = {e + 1: batch_shapes(corpus, epoch_groups(corpus, params.train, e), multiple) for e in (0, 1)}
         assert summary["batch_shapes"] == expected
         report = json.loads((tmp_path / str(multiple) / "reports" / "train.json").read_text())
@@ -944,7 +946,7 @@ def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(
     torch._dynamo.utils.counters.clear()
     overrides = {"train.compile": True, "train.rdrop": 10.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
     params = params_from_dict(tiny_params(**overrides | {"train.epochs": 1}))
-    summary = train_module.train(params, vocab_dir, train_outputs(tmp_path))
+    (summary,) = train_module.train(params, vocab_dir, train_outputs(tmp_path))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert summary["steps"] > 10 and summary["batch_shapes"][1] > graphs  # fewer traces than shapes
     assert 0 < graphs <= 8, graphs  # each frame once, and again at most where duck sizing guessed S == T

@@ -51,67 +51,85 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def open_run(
+    experiment: str, run_id: str | None = None, run_name: str | None = None, parent_run_id: str | None = None
+) -> Tracker:
+    """The MLflow run to log to: `run_id`'s where the store holds it (a resumed training's), else a new
+    run in `experiment`, nested under `parent_run_id`'s where the store holds that. Fails fast, before
+    any work, when a tracking server does not answer."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri()
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    if run_id is not None and experiment and not _has_run(client, run_id):  # a resumed training's run
+        _say(f"MLflow run {run_id}, which the checkpoint names, is not in {uri}: logging to a new run")
+        run_id = None
+    if parent_run_id and not _has_run(client, parent_run_id):
+        _say(
+            f"MLflow run {parent_run_id}, the training's, is not in {uri}: this run is logged without it, "
+            f"in experiment '{experiment}'"
+        )
+        parent_run_id = None
+    if run_id is None:
+        run_id = _create_run(client, experiment, run_name, parent_run_id)
+    return Tracker(client, run_id)
+
+
+def attach(run_id: str) -> Tracker:
+    """The run a training opened, for the stages after it."""
+    return open_run("", run_id=run_id)
+
+
+def _has_run(client, run_id: str) -> bool:
+    """Whether the store holds the run: a checkpoint may name one of a store since deleted or replaced."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
+    return True
+
+
+def _create_run(client, experiment: str, run_name: str | None, parent_run_id: str | None) -> str:
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    with store_errors():
+        if parent_run_id:  # nested: in the parent's experiment, shown under it
+            experiment_id = client.get_run(parent_run_id).info.experiment_id
+            tags = {MLFLOW_PARENT_RUN_ID: parent_run_id}
+        else:
+            experiment_id, tags = _experiment_id(client, experiment), None
+        return client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+
+
+def _experiment_id(client, name: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if tracking_uri().startswith("sqlite:"):  # artifacts beside the database, not in the cwd
+        location = (project_root() / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
 class Tracker:
-    """An MLflow run. Metrics go through MLflow's asynchronous logging (its queue and threads), so the
-    training loop never waits on the tracking store; end() waits for them and reports a failure."""
+    """An open MLflow run (open_run and attach open one). Metrics go through MLflow's asynchronous
+    logging (its queue and threads), so the training loop never waits on the tracking store; end()
+    waits for them and reports a failure."""
 
-    def __init__(
-        self, experiment: str, run_id: str | None = None, run_name: str | None = None, parent_run_id: str | None = None
-    ):
-        import mlflow
-        from mlflow.tracking import MlflowClient
-        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
-
-        uri = tracking_uri()
-        check_reachable(uri)
-        mlflow.set_tracking_uri(uri)
-        self.client = MlflowClient(uri)
-        if run_id is not None and experiment and not self.has_run(run_id):  # a resumed training's run
-            _say(f"MLflow run {run_id}, which the checkpoint names, is not in {uri}: logging to a new run")
-            run_id = None
-        if parent_run_id and not self.has_run(parent_run_id):
-            _say(
-                f"MLflow run {parent_run_id}, the training's, is not in {uri}: this run is logged without it, "
-                f"in experiment '{experiment}'"
-            )
-            parent_run_id = None
-        if run_id is None:
-            with store_errors():
-                if parent_run_id:  # nested: in the parent's experiment, shown under it
-                    experiment_id = self.client.get_run(parent_run_id).info.experiment_id
-                    tags = {MLFLOW_PARENT_RUN_ID: parent_run_id}
-                else:
-                    experiment_id, tags = self._experiment_id(experiment), None
-                run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
-        self.run_id = run_id
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
         self._pending: list = []  # MLflow's RunOperations, waited for by end()
         self._system = None  # MLflow's system-metrics thread, once watch_system started it
 
     def has_run(self, run_id: str) -> bool:
-        """Whether the store holds the run: a checkpoint may name one of a store since deleted or replaced."""
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.get_run(run_id)
-        except MlflowException as e:
-            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return False
-            raise TrackingError(f"MLflow ({tracking_uri()}): {e.message}") from None
-        return True
-
-    @classmethod
-    def attach(cls, run_id: str) -> Tracker:
-        """The run a training opened, for the stages after it."""
-        return cls("", run_id=run_id)
-
-    def _experiment_id(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        location = None
-        if tracking_uri().startswith("sqlite:"):  # artifacts beside the database, not in the cwd
-            location = (project_root() / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        return _has_run(self.client, run_id)
 
     def watch_system(self, resumed: bool, every_s: float = 10.0) -> None:
         """Logs this machine's CPU, memory, disk and network use (and the GPUs', where pynvml sees them)
@@ -243,7 +261,7 @@ def log_to_run(
     when that run was not tracked. artifacts: {directory: files}; texts: {artifact file: text}."""
     if not run_id or not run_in_store(run_id, ", ".join([*(artifacts or {}), *(texts or {})])):
         return
-    tracker = Tracker.attach(run_id)
+    tracker = attach(run_id)
     for directory, paths in (artifacts or {}).items():
         for path in paths:
             tracker.log_artifact(path, directory)
@@ -255,7 +273,7 @@ def log_to_run(
 def run_in_store(run_id: str, what: str) -> bool:
     """Whether the store holds the run a model file names; where it does not (the store deleted or
     another one in use), says that `what` is not logged, for the stage to go on without it."""
-    if Tracker.attach(run_id).has_run(run_id):
+    if attach(run_id).has_run(run_id):
         return True
     _say(f"MLflow run {run_id}, which the model file names, is not in {tracking_uri()}: {what} not logged")
     return False
@@ -274,7 +292,7 @@ def log_evaluation(
     """One evaluation of a trained model as a run of its own, nested under the training's run (in
     `experiment` alone where the store lacks that run): the params that made it, its scores, the corpus
     files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id."""
-    tracker = Tracker(experiment, run_name=run_name(what), parent_run_id=training_run_id)
+    tracker = open_run(experiment, run_name=run_name(what), parent_run_id=training_run_id)
     try:
         tracker.log_params(params)
         tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit()})

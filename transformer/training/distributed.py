@@ -84,6 +84,15 @@ def bf16_all_reduce(group, bucket):  # DDP checks the annotations as objects, an
     return default_hooks._compress_hook(torch.bfloat16, group, bucket)
 
 
+def gathered(mine: Any, env: Dist) -> list[Any]:
+    """`mine` of every rank, in rank order; a collective: every rank calls it."""
+    if env.world == 1:
+        return [mine]
+    ranks = [None] * env.world
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of a rank's random stream (dropout's masks): train.seed itself on rank 0, so one
     process trains as it always has; a stream of its own on every other rank."""

@@ -1,0 +1,315 @@
+"""A training run's record: its clock, the losses of its updates (checked at each host sync), its
+validations, the checkpoints and reports written from them and its MLflow run. Rank 0 keeps the
+record; this module is where that is decided: on every other rank its writes do nothing."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer import checkpoints
+from transformer.config import TRAIN_SECTIONS, Params, flatten
+from transformer.errors import TrainingError
+from transformer.io import write_json, write_text
+from transformer.kernels.memory import allocator, kernel_cache
+from transformer.training.distributed import Dist, rank_seed
+from transformer.training.resume import Progress
+
+
+def say(env: Dist, message: str) -> None:
+    """A line on stderr from rank 0 alone: the other ranks would repeat it."""
+    if env.main:
+        print(message, file=sys.stderr, flush=True)
+
+
+def rank0(method):
+    """A RunRecord method that rank 0 alone runs (it keeps the history, writes, logs and says);
+    on every other rank the call does nothing."""
+
+    @functools.wraps(method)
+    def on_rank0(self, *args, **kwargs):
+        if self.env.main:
+            return method(self, *args, **kwargs)
+        return None
+
+    return on_rank0
+
+
+@dataclass
+class Clock:
+    """The run's time: a timing window over the updates since the last host sync, and the wall time
+    of every invocation (the earlier ones' as the checkpoint resumed from holds it, and this one's)."""
+
+    started: float  # this invocation's start (time.perf_counter)
+    resumed_s: float
+    tick: float = field(default_factory=time.perf_counter)  # the window's start
+    tokens: int = 0  # the window's target tokens
+    wait_s: float = 0.0  # of the window, the time the loop waited for batches
+    batch_wait_s: float = 0.0  # the same, over this invocation
+
+    def waited(self, tokens: int, wait_s: float) -> None:
+        self.tokens += tokens
+        self.wait_s += wait_s
+        self.batch_wait_s += wait_s
+
+    def open_window(self) -> None:
+        self.tick, self.tokens, self.wait_s = time.perf_counter(), 0, 0.0
+
+    def leave_out(self) -> None:
+        """The time since the window's last update is not training's (a validation's)."""
+        self.tick = time.perf_counter()
+
+    def lap(self) -> tuple[float, int, float]:
+        """Closes the window: its seconds, target tokens and batch wait; the next one opens now."""
+        now = time.perf_counter()
+        window = (max(now - self.tick, 1e-9), self.tokens, self.wait_s)
+        self.tick, self.tokens, self.wait_s = now, 0, 0.0
+        return window
+
+    def wall_s(self) -> float:
+        return self.resumed_s + time.perf_counter() - self.started
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """An update whose loss is not read back yet."""
+
+    step: int
+    in_epoch: int  # its index in the epoch
+    loss: torch.Tensor  # summed over this rank's target tokens, on the device
+    tokens: int  # this rank's target tokens
+    lr: float
+
+
+class RunRecord:
+    """What a run leaves besides its weights in memory. Every rank keeps the clock and checks its
+    own losses; rank 0 alone keeps the history, writes checkpoints and reports, and logs to MLflow."""
+
+    def __init__(self, params: Params, env: Dist, out, progress: Progress, clock: Clock, meta: dict[str, Any]):
+        self.params, self.env, self.out, self.progress, self.clock = params, env, out, progress, clock
+        self.meta = meta  # what every checkpoint carries besides the run's state
+        self.tracker = None  # rank 0's MLflow run, once track() opened it
+        self.pending: list[Stepped] = []
+        self.batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
+        self.peaks: list[float] = []  # every rank's peak resident set (MiB), as of the last collective
+
+    @rank0
+    def track(self, tracker_factory) -> None:
+        """Opens the run's MLflow run, the checkpoint's where it continues one."""
+        if tracker_factory is not None:
+            self.tracker = start_tracking(self.params, self.progress, tracker_factory)
+
+    def finish(self) -> None:
+        """Flushes the queued metrics and stops watching the system: the next member's run may open."""
+        if self.tracker:
+            self.tracker.end()
+
+    def fail(self) -> None:
+        if self.tracker:
+            self.tracker.end("FAILED")
+
+    def upload(self, vocab_dir: Path) -> None:
+        """Rank 0's files of a trained run in MLflow: the vocabulary and the final checkpoint."""
+        if self.tracker is None:
+            return
+        self.tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+        final = checkpoints.listed(self.out.checkpoints)
+        if final:
+            self.tracker.log_artifact(final[-1], "checkpoints")
+
+    def say(self, message: str) -> None:
+        say(self.env, message)
+
+    def bar(self, total: int, initial: int, desc: str):
+        """The epoch's progress bar, rank 0's."""
+        from tqdm import tqdm
+
+        disable = not self.env.main
+        return tqdm(
+            total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, mininterval=2, dynamic_ncols=True
+        )
+
+    def count_shapes(self, shapes: int) -> None:
+        """The epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
+        self.batch_shapes[self.progress.epoch + 1] = shapes
+        if self.tracker:
+            self.tracker.log_metrics({"batch_shapes": shapes}, self.progress.step + 1)
+
+    def updated(self, update: Stepped, wait_s: float) -> None:
+        """An update done; `wait_s`: the time the loop waited for its batches."""
+        self.pending.append(update)
+        self.clock.waited(update.tokens, wait_s)
+
+    def sync(self) -> dict[str, str]:
+        """The one host sync of the loop: checks the pending losses, records and reports them."""
+        if not self.pending:
+            return {}
+        losses = torch.stack([x.loss for x in self.pending]).tolist()
+        elapsed, tokens, wait_s = self.clock.lap()
+        self.progress.train_time_s += elapsed
+        tokens_per_s = tokens * self.env.world / elapsed
+        rows = []
+        for x, loss in zip(self.pending, losses):
+            if not math.isfinite(loss):
+                raise TrainingError(
+                    f"loss is {loss} at step {x.step} (epoch {self.progress.epoch + 1}, "
+                    f"update {x.in_epoch + 1} of the epoch); stopped; "
+                    f"the last good checkpoint in {self.out.checkpoints} is kept. "
+                    "Lower train.factor or raise train.warmup."
+                )
+            rows.append({"step": x.step, "loss": loss / x.tokens, "lr": x.lr, "tokens_per_s": tokens_per_s})
+        self.pending = []
+        self._keep(rows, 1000 * wait_s / len(rows))
+        last = rows[-1]
+        return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+
+    @rank0
+    def _keep(self, rows: list[dict[str, float]], wait_ms: float) -> None:
+        """The updates' rows in the run's history, and in MLflow with the mean batch wait."""
+        self.progress.steps.extend(rows)
+        if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
+            self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms}])
+
+    @rank0
+    def validated(self, epoch: float, measure) -> None:
+        """Measures (`measure()`: the val_ columns) and records a validation."""
+        pr, measured = self.progress, measure()
+        recent = [r["loss"] for r in pr.steps[-200:]]
+        row = {"epoch": epoch, "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1)} | measured
+        pr.epochs.append(row)
+        bleu = f", val BLEU {row['val_bleu']:.2f}" if "val_bleu" in row else ""
+        self.say(
+            f"epoch {epoch:.4g}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {row['val_loss']:.3f}, "
+            f"val ppl {row['val_ppl']:.2f}{bleu}, {pr.train_time_s / 60:.1f} min"
+        )
+        if self.tracker:
+            self.tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
+
+    @rank0
+    def stopping_early(self, patience: int) -> None:
+        best = max(bleus(self.progress.epochs))
+        self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
+
+    @rank0
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: list[dict], stopped: bool) -> None:
+        """A checkpoint of the run so far (every rank's generators, `rng`), the old ones pruned, and the
+        reports; weights that became non-finite stop the run instead."""
+        pr = self.progress
+        # A finite loss was computed before the last update, which can still overflow the weights.
+        broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
+        if broken:
+            raise TrainingError(
+                f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
+                f"the last good checkpoint in {self.out.checkpoints} is kept. "
+                "Lower train.factor or raise train.warmup."
+            )
+        path = checkpoints.path_for(self.out.checkpoints, pr.step)
+        pr.wall_s = self.clock.wall_s()
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        checkpoints.save(path, state | _run_state(self.params, self.env, pr, rng) | self.meta)
+        a = self.params.average  # with select best, its candidates stay until better ones replace them
+        best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
+        checkpoints.prune(self.out.checkpoints, self.params.train.keep, best)
+        if self.tracker:
+            self.tracker.log_metrics({f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(self.peaks)}, pr.step)
+        self.report(stopped)
+
+    def report(self, stopped: bool) -> dict[str, Any]:
+        """The run's summary, which rank 0 writes with the step and epoch reports."""
+        self.progress.wall_s = self.clock.wall_s()
+        peaks = {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)}
+        summary = _summary(self.progress, self.clock, stopped) | {
+            "batch_shapes": self.batch_shapes,
+            "peak_rss_mb": peaks,
+        }
+        self._write(summary)
+        return summary
+
+    @rank0
+    def _write(self, summary: dict[str, Any]) -> None:
+        """The step and epoch reports (TSV) and the summary (JSON)."""
+        pr = self.progress
+        _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
+        val_bleu = ("val_bleu",) if bleus(pr.epochs) else ()
+        _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl") + val_bleu)
+        write_json(self.out.summary, summary)
+
+
+def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict[str, Any]:
+    """What a checkpoint holds of the run besides weights, optimizer and the run's constants."""
+    return {
+        "params": params.to_dict(),
+        "step": pr.step,
+        "epoch": pr.epoch,
+        "step_in_epoch": pr.step_in_epoch,
+        "train_time_s": pr.train_time_s,
+        "wall_s": pr.wall_s,
+        "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
+        "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
+        "history": {"steps": pr.steps, "epochs": pr.epochs},
+        "mlflow_run_id": pr.mlflow_run_id,
+    }
+
+
+def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
+    last, recent = pr.epochs[-1] if pr.epochs else {}, pr.steps[-50:]
+    return {
+        "steps": pr.step,
+        "epochs": last.get("epoch", 0),
+        "val_loss": last.get("val_loss"),
+        "val_ppl": last.get("val_ppl"),
+        "val_bleu": last.get("val_bleu"),
+        "best_val_bleu": max(bleus(pr.epochs), default=None),
+        "stopped_early": stopped,
+        "train_time_s": round(pr.train_time_s, 1),
+        "wall_s": round(pr.wall_s, 1),
+        "resumed_s": round(clock.resumed_s, 1),
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
+        "batch_wait_s": round(clock.batch_wait_s, 3),
+    }
+
+
+def start_tracking(params: Params, progress: Progress, tracker_factory):
+    """The training's MLflow run (the checkpoint's, where it continues one), with the params that
+    train, the versions installed and the tags that place the run; it watches the machine."""
+    from transformer import tracking
+
+    d = params.data
+    tracker = tracker_factory(
+        tracking.experiment_name(d.corpus, d.src_lang, d.tgt_lang), progress.mlflow_run_id, tracking.run_name("train")
+    )
+    resumed = progress.mlflow_run_id == tracker.run_id
+    progress.mlflow_run_id = tracker.run_id
+    tracker.watch_system(resumed)
+    trained_by = {
+        k: v for k, v in flatten(params).items() if k.split(".")[0] in TRAIN_SECTIONS
+    }  # evaluations log the rest
+    tracker.log_params(trained_by | tracking.installed_versions())
+    tracker.set_tags(
+        {
+            "git_commit": tracking.git_commit(),
+            "dvc_exp_name": tracking.dvc_exp_name(),
+            "allocator": allocator(),
+            "kernel_cache": kernel_cache(),
+            "corpus": d.corpus,
+            "direction": f"{d.src_lang}-{d.tgt_lang}",
+        }
+    )
+    return tracker
+
+
+def bleus(rows: list[dict[str, float]]) -> list[float]:
+    """The val BLEU of each validation that measured it, in order."""
+    return [r["val_bleu"] for r in rows if "val_bleu" in r]
+
+
+def _write_tsv(path: Path, rows: list[dict[str, float]], columns: tuple[str, ...]) -> None:
+    lines = ["\t".join(columns)] + ["\t".join(f"{row[c]:.6g}" if c in row else "nan" for c in columns) for row in rows]
+    write_text(path, "\n".join(lines) + "\n")

@@ -202,14 +202,7 @@ class RunRecord:
         """A checkpoint of the run so far (every rank's generators, `rng`), the old ones pruned, and the
         reports; weights that became non-finite stop the run instead."""
         pr = self.progress
-        # A finite loss was computed before the last update, which can still overflow the weights.
-        broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
-        if broken:
-            raise TrainingError(
-                f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
-                f"the last good checkpoint in {self.out.checkpoints} is kept. "
-                "Lower train.factor or raise train.warmup."
-            )
+        _check_finite(model, pr, self.out.checkpoints)
         path = checkpoints.path_for(self.out.checkpoints, pr.step)
         pr.wall_s = self.clock.wall_s()
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -240,6 +233,16 @@ class RunRecord:
         val_bleu = ("val_bleu",) if bleus(pr.epochs) else ()
         _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl") + val_bleu)
         write_json(self.out.summary, summary)
+
+
+def _check_finite(model: torch.nn.Module, pr: Progress, kept: Path) -> None:
+    """A finite loss was computed before the last update, which can still overflow the weights."""
+    broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
+    if broken:
+        raise TrainingError(
+            f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
+            f"the last good checkpoint in {kept} is kept. Lower train.factor or raise train.warmup."
+        )
 
 
 def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict[str, Any]:

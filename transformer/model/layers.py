@@ -42,16 +42,7 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        h: int,
-        dropout: float,
-        norm: str,
-        attn_dropout: float = 0.0,
-        ff_dropout: float = 0.0,
-    ):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str, attn_dropout=0.0, ff_dropout=0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
         self.ff = FeedForward(d_model, d_ff, ff_dropout)
@@ -63,16 +54,7 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        h: int,
-        dropout: float,
-        norm: str,
-        attn_dropout: float = 0.0,
-        ff_dropout: float = 0.0,
-    ):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str, attn_dropout=0.0, ff_dropout=0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
         self.src_attn = MultiHeadAttention(d_model, h, self_attention=False, dropout=attn_dropout)

@@ -82,6 +82,7 @@ class TrainConfig:
     precision: str
     compile: bool
     ddp_bf16_grads: bool  # under DDP, gradients all-reduced in bf16 (half the bytes, rounded); false: fp32
+    max_restarts: int  # torchrun --max-restarts: times a failed worker group restarts from the last checkpoint
     save_every: int
     keep: int
     max_steps: int
@@ -184,6 +185,7 @@ POSITIVE = {
 NON_NEGATIVE = {
     "vocab.seed",
     "train.save_every",
+    "train.max_restarts",
     "train.max_steps",
     "train.eval_every",
     "train.patience",

@@ -4,7 +4,8 @@ A checkpoint records its run's identity: the params that train (config.training_
 token ids. A rerun continues it when the new params train the same function step for step:
 
 - bookkeeping never restarts a run: where checkpoints go and how many stay, whether the step is
-  compiled, and early stopping's patience where it would not already have stopped the run;
+  compiled, how often torchrun may restart a failed job, and early stopping's patience where it
+  would not already have stopped the run;
 - the split of an update's micro-batches between processes, nodes and accumulation does not
   either, as long as their number stays: the batches are the same (each rank draws its own
   dropout masks, so a resplit run is another draw of the same recipe);
@@ -33,7 +34,8 @@ from transformer.config import ADDED_TRAIN_KEYS
 from transformer.training.distributed import Dist, broadcast, check_same_run, rank_seed
 from transformer.training.schedule import rate
 
-BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members")  # never change the trained weights
+# never change the trained weights
+BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members", "max_restarts")
 LENGTH = ("epochs", "max_steps")  # how far the run goes
 SPLIT = ("nproc", "nnodes", "accum")  # only their product reaches the weights: the micro-batches an update sums
 ASIDE = ".previous"  # <checkpoints>.previous/<UTC time>/: a restarted run's old checkpoints

@@ -38,7 +38,7 @@ from transformer.io import read_lines, sha256_file, write_json, write_text
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, release_freed_memory
 from transformer.model.attention import attention_kernels
 from transformer.model.model import make_model
-from transformer.training.distributed import Dist, process_group, rank_seed, set_precision, wrap_ddp
+from transformer.training.distributed import Dist, process_group, rank_seed, restarts, set_precision, wrap_ddp
 from transformer.training.loss import batch_loss, token_loss
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
@@ -277,6 +277,8 @@ def _start_tracking(params: Params, progress: Progress, tracker_factory):
             "direction": f"{d.src_lang}-{d.tgt_lang}",
         }
     )
+    if restarts():  # torchrun restarted the job: a metric at the step it resumed from, one a restart
+        tracker.log_metrics({"restarts": restarts()}, progress.step)
     return tracker
 
 
@@ -651,6 +653,7 @@ class _Loop:
             "batch_wait_s": round(self.batch_wait_s, 3),
             "batch_shapes": self.batch_shapes,
             "peak_rss_mb": {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)},
+            "restarts": restarts(),  # by torchrun, in this invocation
         }
         if self.env.main:
             _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))

@@ -139,6 +139,37 @@ def test_pyfunc_model_stops_translating_at_the_request_timeout(slow_model, monke
     assert _refusal(loaded, SLOW) == (504, "translation stopped after 1 s (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)")
 
 
+ECHO = "x" * 20_000  # a request's text that no error may send back whole
+BAD_REQUESTS = (  # (body, status, what the message says): each quotes ECHO, or holds it
+    ("{not json" + ECHO, 400, "Ensure that input is a valid JSON formatted string"),
+    (json.dumps({"inputs": [ECHO]}).replace("x", "\xff", 1), 400, "Ensure that input is a valid JSON formatted string"),
+    (json.dumps({"inputs": [3, ECHO]}), 400, "Expected type str, but got int"),
+    (json.dumps({"inputs": [[ECHO]]}), 400, "Expected type str, but got list"),
+    (json.dumps({"inputs": {"a": ECHO}}), 400, "Expected list, but got dict"),
+    (json.dumps({"inputs": [ECHO] * 51}), 400, "1020000 characters, more than 1000000 a request"),
+    (json.dumps({"inputs": ["Hund"] * 1000 + [ECHO]}), 400, "1001 sentences, more than 1000 a request"),
+    (json.dumps({"inputs": [ECHO + " x" * 100]}), 400, "inputs[0]: 101 tokens, more than the model takes"),
+)
+
+
+def test_a_bad_requests_error_says_what_is_wrong_without_sending_the_request_back(pyfunc_dir):
+    import mlflow
+    from mlflow.pyfunc import scoring_server  # as the server does, before it loads the model
+    from starlette.testclient import TestClient
+
+    from transformer.serving.serving import MESSAGE_LIMIT
+
+    client = TestClient(scoring_server.init(mlflow.pyfunc.load_model(str(pyfunc_dir))))
+    for body, status, says in BAD_REQUESTS:
+        data = body.encode("latin-1" if "\xff" in body else "utf-8")  # a byte that UTF-8 never begins with
+        answer = client.post("/invocations", content=data, headers={"Content-Type": "application/json"})
+        message = answer.json()["message"]
+        assert (answer.status_code, says in message) == (status, True), (body[:40], message[:500])
+        assert len(message) <= MESSAGE_LIMIT + 40 and "x" * 200 not in answer.text, (body[:40], len(answer.text))
+    empty = client.post("/invocations", json={"inputs": []})
+    assert empty.json()["message"] == 'no sentences: send {"inputs": ["a sentence", ...]}'  # the reason alone
+
+
 def _post(port: int, body: str) -> tuple[int, str]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/invocations", data=body.encode(), headers={"Content-Type": "application/json"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -242,3 +243,22 @@ def test_served_model_answers_as_the_cli_and_each_bad_request_with_the_documente
         assert (status, json.loads(answer)) == (200, {"predictions": cli.stdout.splitlines()[:1]})
     finally:
         stop_group(server)
+
+
+@pytest.mark.slow
+def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_cleanly(model_and_vocab, tmp_path):
+    """bench/serve_load.py, short: 300 requests from 8 clients at once, a tenth of them bad, to a model
+    whose translations end two tokens past the source (an untrained one runs to its length bound)."""
+    from transformer.data.vocab import load_vocabs
+    from transformer.serving.serving import save_model
+
+    src, tgt = load_vocabs(model_and_vocab[1].parent)
+    model, vocab = _save_model(tmp_path, src, tgt, max_len_extra=2)
+    save_model(model, vocab, tmp_path / "pyfunc")
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, str(ROOT / "bench/serve_load.py"), "--model", str(tmp_path / "pyfunc"), "--requests", "300"]
+    run([*cmd, "--clients", "8", "--out", str(out)], tmp_path, timeout=900)
+    report = json.loads(out.read_text())
+    assert (report["requests"], report["clients"]) == (300, 8) and report["bad"] >= 15, report
+    assert report["good_failed"] == report["bad_failed"] == 0, report["problems"]
+    assert min(report["server_rss_mb"].values()) > 100  # MiB: torch alone takes more

@@ -262,3 +262,25 @@ def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_c
     assert (report["requests"], report["clients"]) == (300, 8) and report["bad"] >= 15, report
     assert report["good_failed"] == report["bad_failed"] == 0, report["problems"]
     assert min(report["server_rss_mb"].values()) > 100  # MiB: torch alone takes more
+
+
+def test_an_export_rerun_after_registering_adds_no_second_version_of_the_same_model(model_and_vocab, tmp_path):
+    """An export killed after registering the model, then rerun, logs nothing new; another model file does."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from transformer.serving.serving import log_model
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", store)
+        mlflow.set_tracking_uri(store)
+        run_id = MlflowClient(store).create_run(MlflowClient(store).create_experiment("toy")).info.run_id
+        model, vocab = model_and_vocab
+        first, again = (log_model(model, vocab, run_id, "toy-model") for _ in range(2))
+        other = tmp_path / "other.pt"
+        other.write_bytes(model.read_bytes() + b"\n")  # another file, as a changed average gives
+        log_model(other, vocab, run_id, "toy-model")
+        versions = MlflowClient(store).search_model_versions("name='toy-model'")
+    assert again == first and sorted(int(v.version) for v in versions) == [1, 2]
+    assert {v.run_id for v in versions} == {run_id}

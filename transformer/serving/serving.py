@@ -136,16 +136,24 @@ def save_model(model_path: Path, vocab_path: Path, out: Path) -> None:
 
 def log_model(model_path: Path, vocab_path: Path, run_id: str, registered_name: str) -> str:
     """Logs the pyfunc model to the training's MLflow run (a LoggedModel named "model") and
-    registers a new version of `registered_name`; returns the model's URI."""
+    registers a new version of `registered_name`; returns the model's URI. A version the run has
+    registered from the same model and vocabulary files already is kept and its URI returned: an
+    export killed after registering, then rerun, adds no second version of one model."""
+    from mlflow import MlflowClient
+
+    from transformer.io import sha256_file
     from transformer.tracking import check_reachable, tracking_uri
 
     uri = tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
+    files = {"model_sha256": sha256_file(model_path), "vocab_sha256": sha256_file(vocab_path)}
+    for version in MlflowClient(uri).search_model_versions(f"name='{registered_name}' and run_id='{run_id}'"):
+        if all(version.tags.get(k) == v for k, v in files.items()):
+            return version.source
     with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name="model", registered_model_name=registered_name, **_options(model_path, vocab_path)
-        )
+        info = mlflow.pyfunc.log_model(name="model", **_options(model_path, vocab_path))
+    mlflow.register_model(info.model_uri, registered_name, tags=files)  # the version and its tags at once
     return info.model_uri
 
 

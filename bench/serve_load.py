@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import signal
 import subprocess
@@ -152,6 +153,7 @@ def start_server(model: str, port: int, workers: int, log: Path) -> subprocess.P
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},  # uvicorn
         )
     deadline = time.monotonic() + 300
     while True:
@@ -169,8 +171,6 @@ def start_server(model: str, port: int, workers: int, log: Path) -> subprocess.P
 
 
 def stop_server(server: subprocess.Popen) -> None:
-    import os
-
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -271,6 +271,7 @@ def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
     assert {"model.pt", "test2016.txt", "lr_schedule.png"} <= stored
 
 
+@pytest.mark.timeout(1800)  # two trainings at once, on a CI runner's two cores
 def test_two_queued_training_experiments_run_side_by_side_each_with_its_own_runs(repo):
     """`dvc queue start -j 2`: two experiments that each train run at once, in workspaces of their own,
     logging to the one mlflow.db. torchrun is left to pick a free port for each (as it does for one node
@@ -285,9 +286,9 @@ def test_two_queued_training_experiments_run_side_by_side_each_with_its_own_runs
             subprocess.run(
                 [DVC, "queue", "start", "-j", "2"], cwd=repo, env=env, stdout=log, stderr=log, check=True, timeout=300
             )
-        names = _wait_for_queue(repo, seconds=900)
+        names = _wait_for_queue(repo, seconds=1200)
     finally:
-        run([DVC, "queue", "stop"], repo, check=False)
+        run([DVC, "queue", "stop", "--kill"], repo, check=False)  # a failed test leaves no training running
     for name in names:
         logs = run([DVC, "queue", "logs", name], repo).stdout
         assert "Traceback" not in logs and "ERROR" not in logs, logs[-3000:]

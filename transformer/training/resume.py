@@ -19,6 +19,7 @@ dated folder beside the checkpoint directory, and one line names the changed key
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -39,6 +40,7 @@ BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members", "max_rest
 LENGTH = ("epochs", "max_steps")  # how far the run goes
 SPLIT = ("nproc", "nnodes", "accum")  # only their product reaches the weights: the micro-batches an update sums
 ASIDE = ".previous"  # <checkpoints>.previous/<UTC time>/: a restarted run's old checkpoints
+OPENED = "mlflow_run.json"  # in the checkpoint directory: the MLflow run a run opened, before its first checkpoint
 
 
 @dataclass
@@ -86,6 +88,28 @@ def resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dis
         torch.manual_seed(rank_seed(seed, env.rank) + 1_000_003 * progress.step)
         print(f"rank {env.rank}: the checkpoint holds no stream of its own; drawing a new one", file=sys.stderr)
     return progress
+
+
+def opened_run(ckpt_dir: Path, identity: dict) -> str | None:
+    """The MLflow run that an invocation of this run opened and did not checkpoint (killed before its
+    first checkpoint), for the rerun to continue in place of opening a second one."""
+    try:
+        opened = json.loads((ckpt_dir / OPENED).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return opened["run_id"] if comparable(opened["identity"]) == comparable(identity) else None
+
+
+def noting_opened_run(tracker_factory, ckpt_dir: Path, identity: dict):
+    """`tracker_factory` that notes the run it opens or continues at once, for opened_run to find."""
+    from transformer.io import write_json
+
+    def factory(*args, **kwargs):
+        tracker = tracker_factory(*args, **kwargs)
+        write_json(ckpt_dir / OPENED, {"run_id": tracker.run_id, "identity": identity})
+        return tracker
+
+    return factory
 
 
 def read_resume_state(ckpt_dir: Path, identity: dict, epoch_updates) -> dict[str, Any] | None:

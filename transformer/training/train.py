@@ -40,7 +40,7 @@ from transformer.model.attention import attention_kernels
 from transformer.model.model import make_model
 from transformer.training.distributed import Dist, process_group, rank_seed, restarts, set_precision, wrap_ddp
 from transformer.training.loss import batch_loss, token_loss
-from transformer.training.resume import Progress, patience_spent, resume
+from transformer.training.resume import Progress, noting_opened_run, opened_run, patience_spent, resume
 from transformer.training.schedule import rate
 
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
@@ -117,6 +117,9 @@ def _train(
     progress = resume(
         out.checkpoints, identity, model, optimizer, env, lambda epoch: len(epoch_groups(corpus.fixed, p, epoch))
     )
+    if env.main and tracker_factory and not progress.step:  # a run killed before its first checkpoint: its MLflow run
+        progress.mlflow_run_id = opened_run(out.checkpoints, identity)
+        tracker_factory = noting_opened_run(tracker_factory, out.checkpoints, identity)
     tracker = _start_tracking(params, progress, tracker_factory) if env.main else None
     setup = Setup(
         params=params,

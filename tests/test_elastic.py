@@ -69,17 +69,25 @@ def _kill_rank_1_after_a_checkpoint(job: subprocess.Popen, ckpt: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_restarts_the_job_which_ends_with_an_uninterrupted_runs_weights(tmp_path, vocab_dir):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_killed_worker_restarts_the_job_which_ends_with_an_uninterrupted_runs_weights(
+    tmp_path, vocab_dir, rendezvous
+):
+    """static: a master port named, as nodes meet (docs/scale.md); c10d: none, as `dvc repro` runs one
+    node, where torchrun picks a free port itself."""
     from mlflow.tracking import MlflowClient
 
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.nproc": 2, "train.epochs": 4, "train.save_every": 4})))
     run(_job(params, vocab_dir, tmp_path / "reference", 0, track=False), ROOT, timeout=1200)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = tool_env(MLFLOW_TRACKING_URI=store)
+    if rendezvous == "c10d":
+        del env["PET_MASTER_PORT"]
     job = subprocess.Popen(
         _job(params, vocab_dir, tmp_path / "killed", 3, track=True),
         cwd=ROOT,
-        env=tool_env(MLFLOW_TRACKING_URI=store),
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

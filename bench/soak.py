@@ -104,9 +104,10 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
-def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> list[str]:
+def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tuple[list[str], float | None]:
     """Runs `dvc repro` and SIGKILLs it `kills` times at uniform instants in [0, seconds]; a run that
-    ends before its instant is not a kill. Returns what each kill hit, as 'stage at t s'."""
+    ends before its instant is not a kill, and ends the chain. Returns what each kill hit, as 'stage at
+    t s', and the wall time of a fresh project's run that ended before its kill, if one did."""
     hit = []
     while len(hit) < kills:
         instant = rng.uniform(0, seconds)
@@ -116,10 +117,10 @@ def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> li
         if repro.poll() is not None:
             if repro.returncode != 0:
                 raise click.ClickException(f"{repo}: dvc repro failed ({repro.returncode}) before its kill")
-            return hit  # finished: the rest of the chain would find nothing to kill
+            return hit, None if hit else time.monotonic() - started
         stages = kill_tree(repro)
         hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s")
-    return hit
+    return hit, None
 
 
 def file_differences(repo: Path, reference: Path) -> list[str]:
@@ -227,17 +228,18 @@ def mlflow_differences(repo: Path, reference: Path) -> list[str]:
     return found
 
 
-def soak_round(work: Path, reference: Path, kills: int, seconds: float, rng: random.Random) -> tuple[list, list]:
+def soak_round(work: Path, reference: Path, kills: int, seconds: float, rng: random.Random) -> tuple:
     """One fresh project, killed `kills` times (fewer where a run finishes first), then run to its end:
-    what the kills hit, and how the result differs from the reference."""
+    what the kills hit, how the result differs from the reference, and kill_chain's wall time of a run
+    that finished unkilled."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     repo = project_copy(work, tiny_params(**SMALL))
-    hit = kill_chain(repo, kills, seconds, rng)
+    hit, unkilled_s = kill_chain(repo, kills, seconds, rng)
     run([DVC, "repro"], repo, timeout=3600)
     differences = file_differences(repo, reference) + lock_differences(repo, reference)
-    return hit, differences + leftovers(repo) + mlflow_differences(repo, reference)
+    return hit, differences + leftovers(repo) + mlflow_differences(repo, reference), unkilled_s
 
 
 def reference_run(work: Path) -> Path:
@@ -264,10 +266,13 @@ def main(kills: int, seed: int | None, chain: int, work: Path, reference: Path |
     while done < kills:
         round_ += 1
         where = work / f"round-{round_}"
-        hit, problems = soak_round(where, reference, rng.randint(1, min(chain, kills - done)), seconds, rng)
+        hit, problems, unkilled_s = soak_round(where, reference, rng.randint(1, min(chain, kills - done)), seconds, rng)
         done += len(hit)
         failed += bool(problems)
         click.echo(f"round {round_}: killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True)
+        if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
+            seconds = unkilled_s
+            click.echo(f"  a whole run took {seconds:.0f} s: later kills are drawn over that", err=True)
         for problem in problems:
             click.echo(f"  differs: {problem}", err=True)
         if not problems and not keep:

@@ -328,6 +328,7 @@ def test_registry_change_reruns_download_and_mirror_change_reruns_nothing(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a few toy runs, each killed or finished
 def test_repro_killed_at_random_instants_ends_as_an_uninterrupted_run(tmp_path, clean_repro):
     """bench/soak.py, short: two kills of `dvc repro` and its processes at random instants, a run left to
     finish, everything compared with clean_repro. A new seed each time; SOAK_SEED=<seed> replays one."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BIN, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params
+from conftest import BIN, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env
 
 DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
@@ -268,3 +269,53 @@ def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
     assert "figures/lr_schedule.png" in figures
     stored = {p.name for p in artifacts_dir.rglob("*") if p.is_file()}  # went through the server, into its store
     assert {"model.pt", "test2016.txt", "lr_schedule.png"} <= stored
+
+
+@pytest.mark.timeout(1800)  # two trainings at once, on a CI runner's two cores
+def test_two_queued_training_experiments_run_side_by_side_each_with_its_own_runs(repo):
+    """`dvc queue start -j 2`: two experiments that each train run at once, in workspaces of their own,
+    logging to the one mlflow.db. torchrun is left to pick a free port for each (as it does for one node
+    when PET_MASTER_PORT is unset), as two trainings on one host need."""
+    before = mlflow_runs(repo)
+    for warmup in (50, 70):
+        run([DVC, "exp", "run", "--queue", "-S", f"train.warmup={warmup}"], repo)
+    try:
+        env = {k: v for k, v in tool_env().items() if k != "PET_MASTER_PORT"}
+        # The workers it starts outlive it: output to a file, as a pipe would stay open until they end.
+        with (repo.parent / "queue-start.log").open("w") as log:
+            subprocess.run(
+                [DVC, "queue", "start", "-j", "2"], cwd=repo, env=env, stdout=log, stderr=log, check=True, timeout=300
+            )
+        names = _wait_for_queue(repo, seconds=1200)
+    finally:
+        run([DVC, "queue", "stop", "--kill"], repo, check=False)  # a failed test leaves no training running
+    for name in names:
+        logs = run([DVC, "queue", "logs", name], repo).stdout
+        assert "Traceback" not in logs and "ERROR" not in logs, logs[-3000:]
+    after = mlflow_runs(repo)
+    new = {i: after[i] for i in after.keys() - before.keys()}
+    trainings = [r for r in new.values() if "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(r.data.params["train.warmup"] for r in trainings) == ["50", "70"]
+    for training in trainings:
+        exp = _named(repo, "train", "warmup", int(training.data.params["train.warmup"]))
+        assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
+        (evaluation,) = [r for r in new.values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
+        _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
+        assert training.info.status == evaluation.info.status == "FINISHED"
+    assert len(new) == 4, [r.info.run_name for r in new.values()]
+
+
+def _wait_for_queue(repo: Path, seconds: float) -> list[str]:
+    """Waits for every queued experiment to end; their names. Fails if one failed or the wait is over."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        lines = run([DVC, "queue", "status"], repo).stdout.splitlines()[1:]  # under its header: task, name, ..., status
+        rows = [line.split() for line in lines if line.strip() and not line.startswith("Worker")]
+        states = {row[1]: row[-1] for row in rows if len(row) > 2}
+        if states and all(s in ("Success", "Failed") for s in states.values()):
+            assert set(states.values()) == {"Success"}, states
+            return list(states)
+        assert time.monotonic() < deadline, f"the queue did not finish in {seconds} s: {rows}"
+        time.sleep(2)

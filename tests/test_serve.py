@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -111,6 +112,37 @@ def test_pyfunc_model_stops_translating_at_the_request_timeout(slow_model, monke
     assert _refusal(loaded, SLOW) == (504, "translation stopped after 1 s (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT)")
 
 
+ECHO = "x" * 20_000  # a request's text that no error may send back whole
+BAD_REQUESTS = (  # (body, status, what the message says): each quotes ECHO, or holds it
+    ("{not json" + ECHO, 400, "Ensure that input is a valid JSON formatted string"),
+    (json.dumps({"inputs": [ECHO]}).replace("x", "\xff", 1), 400, "Ensure that input is a valid JSON formatted string"),
+    (json.dumps({"inputs": [3, ECHO]}), 400, "Expected type str, but got int"),
+    (json.dumps({"inputs": [[ECHO]]}), 400, "Expected type str, but got list"),
+    (json.dumps({"inputs": {"a": ECHO}}), 400, "Expected list, but got dict"),
+    (json.dumps({"inputs": [ECHO] * 51}), 400, "1020000 characters, more than 1000000 a request"),
+    (json.dumps({"inputs": ["Hund"] * 1000 + [ECHO]}), 400, "1001 sentences, more than 1000 a request"),
+    (json.dumps({"inputs": [ECHO + " x" * 100]}), 400, "inputs[0]: 101 tokens, more than the model takes"),
+)
+
+
+def test_a_bad_requests_error_says_what_is_wrong_without_sending_the_request_back(pyfunc_dir):
+    import mlflow
+    from mlflow.pyfunc import scoring_server  # as the server does, before it loads the model
+    from starlette.testclient import TestClient
+
+    from transformer.serving.serving import MESSAGE_LIMIT
+
+    client = TestClient(scoring_server.init(mlflow.pyfunc.load_model(str(pyfunc_dir))))
+    for body, status, says in BAD_REQUESTS:
+        data = body.encode("latin-1" if "\xff" in body else "utf-8")  # a byte that UTF-8 never begins with
+        answer = client.post("/invocations", content=data, headers={"Content-Type": "application/json"})
+        message = answer.json()["message"]
+        assert (answer.status_code, says in message) == (status, True), (body[:40], message[:500])
+        assert len(message) <= MESSAGE_LIMIT + 40 and "x" * 200 not in answer.text, (body[:40], len(answer.text))
+    empty = client.post("/invocations", json={"inputs": []})
+    assert empty.json()["message"] == 'no sentences: send {"inputs": ["a sentence", ...]}'  # the reason alone
+
+
 def _post(port: int, body: str) -> tuple[int, str]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/invocations", data=body.encode(), headers={"Content-Type": "application/json"}
@@ -183,3 +215,44 @@ def test_served_model_answers_as_the_cli_and_each_bad_request_with_the_documente
         assert (status, json.loads(answer)) == (200, {"predictions": cli.stdout.splitlines()[:1]})
     finally:
         stop_group(server)
+
+
+@pytest.mark.slow
+def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_cleanly(model_and_vocab, tmp_path):
+    """bench/serve_load.py, short: 300 requests from 8 clients at once, a tenth of them bad, to a model
+    whose translations end two tokens past the source (an untrained one runs to its length bound)."""
+    from transformer.data.vocab import load_vocabs
+    from transformer.serving.serving import save_model
+
+    src, tgt = load_vocabs(model_and_vocab[1].parent)
+    model, vocab = _save_model(tmp_path, src, tgt, max_len_extra=2)
+    save_model(model, vocab, tmp_path / "pyfunc")
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, str(ROOT / "bench/serve_load.py"), "--model", str(tmp_path / "pyfunc"), "--requests", "300"]
+    run([*cmd, "--clients", "8", "--out", str(out)], tmp_path, timeout=900)
+    report = json.loads(out.read_text())
+    assert (report["requests"], report["clients"]) == (300, 8) and report["bad"] >= 15, report
+    assert report["good_failed"] == report["bad_failed"] == 0, report["problems"]
+    assert min(report["server_rss_mb"].values()) > 100  # MiB: torch alone takes more
+
+
+def test_an_export_rerun_after_registering_adds_no_second_version_of_the_same_model(model_and_vocab, tmp_path):
+    """An export killed after registering the model, then rerun, logs nothing new; another model file does."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from transformer.serving.serving import log_model
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", store)
+        mlflow.set_tracking_uri(store)
+        run_id = MlflowClient(store).create_run(MlflowClient(store).create_experiment("toy")).info.run_id
+        model, vocab = model_and_vocab
+        first, again = (log_model(model, vocab, run_id, "toy-model") for _ in range(2))
+        other = tmp_path / "other.pt"
+        other.write_bytes(model.read_bytes() + b"\n")  # another file, as a changed average gives
+        log_model(other, vocab, run_id, "toy-model")
+        versions = MlflowClient(store).search_model_versions("name='toy-model'")
+    assert again == first and sorted(int(v.version) for v in versions) == [1, 2]
+    assert {v.run_id for v in versions} == {run_id}

@@ -170,6 +170,12 @@ class TrainConfig:
         "several processes: all-reduce gradients in bf16, half the bytes but rounded; `false`: fp32",
         older_runs=False,
     )
+    max_restarts: int = param(
+        "torchrun's `--max-restarts`: a job whose process died restarts from the last checkpoint this many times "
+        "(docs/scale.md); 0: it stops",
+        NON_NEGATIVE,
+        older_runs=3,
+    )
     save_every: int = param("updates between mid-epoch checkpoints; 0: at epoch ends only", NON_NEGATIVE)
     keep: int = param("checkpoints kept: the last ones, and with `average.select: best` its candidates", POSITIVE)
     max_steps: int = param(

@@ -4,7 +4,9 @@ this package's code; it decodes with the model's own decode params."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from mlflow.exceptions import MlflowException
 # size: put one in a proxy in front), so these bound what is done with it; time is MLflow's --timeout.
 MAX_SENTENCES = 1000  # more is a batch job (transformer translate), not a request
 MAX_CHARACTERS = 1_000_000  # of all sentences together, counted before the tokenizer reads them
+MESSAGE_LIMIT = 240  # characters of an error's message: its start and its end, which say what was wrong
 EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
 
@@ -26,6 +29,7 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         from transformer.data.vocab import load_vocabs
         from transformer.decoding.translate import Translator
 
+        _clip_server_errors()
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
@@ -52,6 +56,44 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
             why = f"translation stopped after {limit} s ({MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name})"
             logging.getLogger(__name__).warning(why)  # in the server, the 504 has gone out already
             raise MlflowException(why, error_code=DEADLINE_EXCEEDED) from None
+
+
+def clipped(message: str) -> str:
+    """An error message without MLflow's copies of the request: its "Failed to predict data
+    '<request>'. Error: " before the reason and "Input: <body>" after a JSON error, then at most
+    MESSAGE_LIMIT characters, the middle cut (a reason may still quote a bad input, as the type
+    check's list of invalid elements and a decoding error's bytes do)."""
+    message = message.split("\nInput: \n", 1)[0]
+    if message.startswith("Failed to predict data '") and "\nError: " in message:
+        message = message.rsplit("\nError: ", 1)[1]
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    half = MESSAGE_LIMIT // 2
+    return f"{message[:half]} [... {len(message) - 2 * half} characters cut ...] {message[-half:]}"
+
+
+def _clip_server_errors() -> None:
+    """In the process of MLflow's scoring server: its answers to bad requests carry clipped messages.
+
+    The server puts the request, whole, in the message of every error predict raises, and a body
+    that is not JSON after its own: a 1 MB request came back as a 1 MB error, a client's secrets
+    with it. The server calls its module's `invocations` for each request; that function is
+    wrapped, once, to clip the message of any MlflowException on its way out."""
+    server = sys.modules.get("mlflow.pyfunc.scoring_server")  # imported by the server before the model loads
+    if server is None or getattr(server.invocations, "clips_errors", False):
+        return
+    invocations = server.invocations
+
+    @functools.wraps(invocations)
+    def clipping(*args, **kwargs):
+        try:
+            return invocations(*args, **kwargs)
+        except MlflowException as e:
+            e.message = clipped(e.message)
+            raise
+
+    clipping.clips_errors = True
+    server.invocations = clipping
 
 
 def _sentences(model_input: list[str]) -> list[str]:
@@ -94,16 +136,24 @@ def save_model(model_path: Path, vocab_path: Path, out: Path) -> None:
 
 def log_model(model_path: Path, vocab_path: Path, run_id: str, registered_name: str) -> str:
     """Logs the pyfunc model to the training's MLflow run (a LoggedModel named "model") and
-    registers a new version of `registered_name`; returns the model's URI."""
+    registers a new version of `registered_name`; returns the model's URI. A version the run has
+    registered from the same model and vocabulary files already is kept and its URI returned: an
+    export killed after registering, then rerun, adds no second version of one model."""
+    from mlflow import MlflowClient
+
+    from transformer.io import sha256_file
     from transformer.tracking import check_reachable, tracking_uri
 
     uri = tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
+    files = {"model_sha256": sha256_file(model_path), "vocab_sha256": sha256_file(vocab_path)}
+    for version in MlflowClient(uri).search_model_versions(f"name='{registered_name}' and run_id='{run_id}'"):
+        if all(version.tags.get(k) == v for k, v in files.items()):
+            return version.source
     with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name="model", registered_model_name=registered_name, **_options(model_path, vocab_path)
-        )
+        info = mlflow.pyfunc.log_model(name="model", **_options(model_path, vocab_path))
+    mlflow.register_model(info.model_uri, registered_name, tags=files)  # the version and its tags at once
     return info.model_uri
 
 

@@ -46,8 +46,22 @@ def setup_distributed(nproc: int, nnodes: int) -> Dist:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", **_attempt_store(rank, world))
     return Dist(rank, world, device)
+
+
+def _attempt_store(rank: int, world: int) -> dict[str, Any]:
+    """init_process_group's store in a restarted job: the launcher's, under a prefix of this attempt's.
+    torchrun's static rendezvous (--nnodes N, --master-addr) keeps one store for every attempt, and
+    the ranks of a new attempt would read the addresses the dead attempt's ranks left there, and fail
+    to connect. The first attempt uses torchrun's store as it is."""
+    if not restarts() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from torch.distributed.constants import default_pg_timeout
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
+    return {"store": dist.PrefixStore(f"attempt_{restarts()}", store), "rank": rank, "world_size": world}
 
 
 @contextlib.contextmanager
@@ -97,6 +111,12 @@ def rank_seed(seed: int, rank: int) -> int:
     """The seed of a rank's random stream (dropout's masks): train.seed itself on rank 0, so one
     process trains as it always has; a stream of its own on every other rank."""
     return seed + 1_000_003 * rank
+
+
+def restarts() -> int:
+    """How many times torchrun has restarted this job's workers after one died (train.max_restarts
+    bounds it): 0 on the first attempt and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def die_with_launcher() -> None:

@@ -19,8 +19,8 @@ from transformer.config import TRAIN_SECTIONS, Params, flatten
 from transformer.errors import TrainingError
 from transformer.io import write_json, write_text
 from transformer.kernels.memory import allocator, kernel_cache
-from transformer.training.distributed import Dist, rank_seed
-from transformer.training.resume import Progress
+from transformer.training.distributed import Dist, rank_seed, restarts
+from transformer.training.resume import Progress, noting_opened_run, opened_run
 
 
 def say(env: Dist, message: str) -> None:
@@ -103,8 +103,13 @@ class RunRecord:
     @rank0
     def track(self, tracker_factory) -> None:
         """Opens the run's MLflow run, the checkpoint's where it continues one."""
-        if tracker_factory is not None:
-            self.tracker = start_tracking(self.params, self.progress, tracker_factory)
+        if tracker_factory is None:
+            return
+        if not self.progress.step:  # a run killed before its first checkpoint may have opened its MLflow run
+            ckpts, identity = self.out.checkpoints, self.meta["identity"]
+            self.progress.mlflow_run_id = opened_run(ckpts, identity)
+            tracker_factory = noting_opened_run(tracker_factory, ckpts, identity)
+        self.tracker = start_tracking(self.params, self.progress, tracker_factory)
 
     def finish(self) -> None:
         """Flushes the queued metrics and stops watching the system: the next member's run may open."""
@@ -276,6 +281,7 @@ def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
         "resumed_s": round(clock.resumed_s, 1),
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
         "batch_wait_s": round(clock.batch_wait_s, 3),
+        "restarts": restarts(),  # by torchrun, in this invocation
     }
 
 
@@ -305,6 +311,8 @@ def start_tracking(params: Params, progress: Progress, tracker_factory):
             "direction": f"{d.src_lang}-{d.tgt_lang}",
         }
     )
+    if restarts():  # torchrun restarted the job: a metric at the step it resumed from, one a restart
+        tracker.log_metrics({"restarts": restarts()}, progress.step)
     return tracker
 
 

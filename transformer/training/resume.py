@@ -4,7 +4,8 @@ A checkpoint records its run's identity: the params that train (config.training_
 token ids. A rerun continues it when the new params train the same function step for step:
 
 - bookkeeping never restarts a run: where checkpoints go and how many stay, whether the step is
-  compiled, and early stopping's patience where it would not already have stopped the run;
+  compiled, how often torchrun may restart a failed job, and early stopping's patience where it
+  would not already have stopped the run;
 - the split of an update's micro-batches between processes, nodes and accumulation does not
   either, as long as their number stays: the batches are the same (each rank draws its own
   dropout masks, so a resplit run is another draw of the same recipe);
@@ -18,6 +19,7 @@ dated folder beside the checkpoint directory, and one line names the changed key
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -33,10 +35,12 @@ from transformer.config import ADDED_TRAIN_KEYS
 from transformer.training.distributed import Dist, broadcast, check_same_run, rank_seed
 from transformer.training.schedule import rate
 
-BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members")  # never change the trained weights
+# never change the trained weights
+BOOKKEEPING = ("keep", "save_every", "compile", "patience", "members", "max_restarts")
 LENGTH = ("epochs", "max_steps")  # how far the run goes
 SPLIT = ("nproc", "nnodes", "accum")  # only their product reaches the weights: the micro-batches an update sums
 ASIDE = ".previous"  # <checkpoints>.previous/<UTC time>/: a restarted run's old checkpoints
+OPENED = "mlflow_run.json"  # in the checkpoint directory: the MLflow run a run opened, before its first checkpoint
 
 
 @dataclass
@@ -84,6 +88,28 @@ def resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dis
         torch.manual_seed(rank_seed(seed, env.rank) + 1_000_003 * progress.step)
         print(f"rank {env.rank}: the checkpoint holds no stream of its own; drawing a new one", file=sys.stderr)
     return progress
+
+
+def opened_run(ckpt_dir: Path, identity: dict) -> str | None:
+    """The MLflow run that an invocation of this run opened and did not checkpoint (killed before its
+    first checkpoint), for the rerun to continue in place of opening a second one."""
+    try:
+        opened = json.loads((ckpt_dir / OPENED).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return opened["run_id"] if comparable(opened["identity"]) == comparable(identity) else None
+
+
+def noting_opened_run(tracker_factory, ckpt_dir: Path, identity: dict):
+    """`tracker_factory` that notes the run it opens or continues at once, for opened_run to find."""
+    from transformer.io import write_json
+
+    def factory(*args, **kwargs):
+        tracker = tracker_factory(*args, **kwargs)
+        write_json(ckpt_dir / OPENED, {"run_id": tracker.run_id, "identity": identity})
+        return tracker
+
+    return factory
 
 
 def read_resume_state(ckpt_dir: Path, identity: dict, epoch_updates) -> dict[str, Any] | None:

@@ -1,0 +1,286 @@
+"""A randomized kill soak of the toy pipeline: `dvc repro` SIGKILLed with every process it started at
+random instants, rerun, killed again, until one run is left to finish; then everything it left is
+compared with an uninterrupted run's.
+
+Run from the repository root:
+
+    python bench/soak.py --kills 100 [--seed S] [--chain 3] [--work /tmp/transformer-soak] [--reference DIR]
+
+It builds the test suite's toy project (tests/conftest.py's project_copy with tests/test_pipeline.py's
+SMALL settings) and, unless --reference names one already run, runs it once uninterrupted: the
+reference. Then, round after round, a fresh copy is run and killed one to --chain times, each kill at
+an instant drawn uniformly over the reference's wall time (a kill that finds the run finished is not
+counted), and run once more to its end. Each round's result must match the reference: the files
+tests/test_pipeline.py requires bit-identical (data/raw, data/tokenized, data/vocab, the translations,
+the figures, the scores, model.pt but for the run's record), the CTranslate2 export, dvc.lock but for
+the outputs that hold times, `dvc status` clean, no temporary file, no stale lock and no process left,
+and the MLflow store's runs (names, nesting, status, params, the metrics that do not measure time, each
+step's value once) and registered versions. It prints the seed first: --seed replays a run's draws
+(the instants, not the machine's timing). Exit status 1 if any round differed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import BIN, mlflow_client, project_copy, run, same_values, tiny_params, tool_env  # noqa: E402
+from test_pipeline import RUN_RECORD, SMALL, _tree  # noqa: E402
+
+DVC = str(BIN / "dvc")
+SAME_TREES = ("data/raw", "data/tokenized", "data/vocab", "data/translations", "reports/figures", "data/export")
+SAME_FILES = ("reports/scores.json",)
+# Outputs that record times, or an MLflow run's id: their hashes in dvc.lock differ from run to run.
+TIMED = (
+    "data/timings",
+    "data/checkpoints",
+    "data/model",
+    "reports/train/",
+    "reports/decode/",
+    "reports/evaluation.json",
+    "reports/reproduction",
+)
+# Metrics that measure time or the machine: compared by name only.
+MEASURED = ("system/", "tokens_per_s", "batch_wait_ms", "peak_rss_mb", "restarts", "decode_", "train_time")
+
+
+def run_seconds(repo: Path) -> float:
+    """A finished repro's wall time: from the toy project's commit, made just before it ran, to the
+    last write of dvc.lock, which DVC updates after each stage."""
+    committed = int(run(["git", "log", "-1", "--format=%ct"], repo).stdout)
+    return (repo / "dvc.lock").stat().st_mtime - committed
+
+
+def start_repro(repo: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [DVC, "repro"],
+        cwd=repo,
+        env=tool_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def kill_tree(repro: subprocess.Popen) -> list[str]:
+    """SIGKILLs `dvc repro`'s process group and every process it started, in any session (torchrun's
+    workers have their own); returns the stages that were running."""
+    tree = [repro.pid]
+    try:
+        found = psutil.Process(repro.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        found = []
+    stages = sorted({a.split("stages/")[1] for p in found for a in _cmdline(p) if a.startswith("stages/")})
+    tree += [p.pid for p in found]
+    os.killpg(repro.pid, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    repro.wait()
+    psutil.wait_procs(found, timeout=30)
+    return stages
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tuple[list[str], float | None]:
+    """Runs `dvc repro` and SIGKILLs it `kills` times at uniform instants in [0, seconds]; a run that
+    ends before its instant is not a kill, and ends the chain. Returns what each kill hit, as 'stage at
+    t s', and the wall time of a fresh project's run that ended before its kill, if one did."""
+    hit = []
+    while len(hit) < kills:
+        instant = rng.uniform(0, seconds)
+        repro, started = start_repro(repo), time.monotonic()
+        while repro.poll() is None and time.monotonic() - started < instant:
+            time.sleep(0.01)
+        if repro.poll() is not None:
+            if repro.returncode != 0:
+                raise click.ClickException(f"{repo}: dvc repro failed ({repro.returncode}) before its kill")
+            return hit, None if hit else time.monotonic() - started
+        stages = kill_tree(repro)
+        hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s")
+    return hit, None
+
+
+def file_differences(repo: Path, reference: Path) -> list[str]:
+    import torch
+
+    found = [name for name in SAME_TREES if _tree(repo / name) != _tree(reference / name)]
+    found += [name for name in SAME_FILES if (repo / name).read_bytes() != (reference / name).read_bytes()]
+    mine, theirs = (torch.load(r / "data/model/model.pt", weights_only=True) for r in (repo, reference))
+    if mine.keys() != theirs.keys():
+        found.append("model.pt's keys")
+    found += [f"model.pt '{k}'" for k in sorted(set(theirs) - set(RUN_RECORD)) if not same_values(mine[k], theirs[k])]
+    return found
+
+
+def lock_differences(repo: Path, reference: Path) -> list[str]:
+    """dvc.lock's stages, commands, params and hashes, but those of TIMED outputs and files under them."""
+    import yaml
+
+    def entries(root: Path) -> dict[str, object]:
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        flat = {}
+        for stage, entry in lock.items():
+            flat[f"{stage} cmd"] = entry["cmd"]
+            flat[f"{stage} params"] = entry.get("params")
+            for kind in ("deps", "outs"):
+                for item in entry.get(kind, []):
+                    if not item["path"].startswith(TIMED):
+                        flat[f"{stage} {kind} {item['path']}"] = item.get("md5")
+        return flat
+
+    mine, theirs = entries(repo), entries(reference)
+    return [f"dvc.lock: {k}" for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+
+
+def leftovers(repo: Path) -> list[str]:
+    """Temporary files, stale locks and live processes a finished repro must not leave."""
+    found = [
+        str(p.relative_to(repo))
+        for p in repo.rglob("*")
+        if p.name.endswith((".tmp", ".old")) and ".git" not in p.parts and ".dvc" not in p.parts
+    ]
+    found += _held_locks(repo / ".dvc/tmp/rwlock")
+    status = run([DVC, "status"], repo).stdout
+    if "Data and pipelines are up to date" not in status:
+        found.append(f"dvc status: {status.strip()}")
+    for process in psutil.process_iter():
+        try:
+            if Path(process.cwd()).is_relative_to(repo):
+                found.append(f"a process left: {' '.join(process.cmdline())}")
+        except psutil.Error:
+            pass
+    return found
+
+
+def _held_locks(rwlock: Path) -> list[str]:
+    """DVC's path locks that would stop a later command: any write lock, and a read lock of a live
+    process. A killed `dvc repro` leaves its read locks on the stage's deps; DVC drops such an entry,
+    a dead process's, when a command would wait on it."""
+    lock = json.loads(rwlock.read_text() or "{}") if rwlock.exists() else {}
+    held = [f"DVC write lock on {path}" for path in lock.get("write", {})]
+    for path, infos in lock.get("read", {}).items():
+        held += [f"DVC read lock on {path} ({i['cmd']})" for i in infos if psutil.pid_exists(i["pid"])]
+    return held
+
+
+def mlflow_summary(repo: Path) -> dict[str, object]:
+    """The store's runs by name ('train', 'evaluate ...', nested under 'train' or not), their status,
+    params and metrics (MEASURED by name only), and the registered versions."""
+    client = mlflow_client(repo)
+    runs, names = {}, {}
+    for experiment in client.search_experiments():
+        for r in client.search_runs([experiment.experiment_id]):
+            names[r.info.run_id] = r.info.run_name
+    for run_id, name in names.items():
+        r = client.get_run(run_id)
+        parent = names.get(r.data.tags.get("mlflow.parentRunId"))
+        metrics = {k: "measured" if k.startswith(MEASURED) else _history(client, run_id, k) for k in r.data.metrics}
+        entry = {"parent": parent, "status": r.info.status, "params": r.data.params, "metrics": metrics}
+        runs.setdefault(f"{name} under {parent}", []).append(entry)
+    versions = [(v.name, v.version) for v in client.search_model_versions()]
+    return {"runs": runs, "versions": sorted(versions)}
+
+
+def _history(client, run_id: str, key: str) -> dict[int, object]:
+    """step -> value; a step logged twice with two values is kept as both (a rerun that logged again)."""
+    steps: dict[int, set] = {}
+    for m in client.get_metric_history(run_id, key):
+        steps.setdefault(m.step, set()).add(m.value)
+    return {s: (v.pop() if len(v) == 1 else sorted(v)) for s, v in sorted(steps.items())}
+
+
+def mlflow_differences(repo: Path, reference: Path) -> list[str]:
+    mine, theirs = mlflow_summary(repo), mlflow_summary(reference)
+    found = []
+    for name in sorted(set(mine["runs"]) | set(theirs["runs"])):
+        a, b = mine["runs"].get(name, []), theirs["runs"].get(name, [])
+        if len(a) != len(b):
+            found.append(f"MLflow: {len(a)} runs '{name}', the reference {len(b)}")
+        elif a != b:
+            keys = [k for k in ("status", "params", "metrics") if a[0][k] != b[0][k]]
+            details = [m for m in a[0]["metrics"] if a[0]["metrics"][m] != b[0]["metrics"].get(m)][:5]
+            found.append(f"MLflow: run '{name}' differs in {', '.join(keys)} {details}")
+    if mine["versions"] != theirs["versions"]:
+        found.append(f"MLflow: registered versions {mine['versions']}, the reference {theirs['versions']}")
+    return found
+
+
+def soak_round(work: Path, reference: Path, kills: int, seconds: float, rng: random.Random) -> tuple:
+    """One fresh project, killed `kills` times (fewer where a run finishes first), then run to its end:
+    what the kills hit, how the result differs from the reference, and kill_chain's wall time of a run
+    that finished unkilled."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    repo = project_copy(work, tiny_params(**SMALL))
+    hit, unkilled_s = kill_chain(repo, kills, seconds, rng)
+    run([DVC, "repro"], repo, timeout=3600)
+    differences = file_differences(repo, reference) + lock_differences(repo, reference)
+    return hit, differences + leftovers(repo) + mlflow_differences(repo, reference), unkilled_s
+
+
+def reference_run(work: Path) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    repo = project_copy(work, tiny_params(**SMALL))
+    run([DVC, "repro"], repo, timeout=3600)
+    return repo
+
+
+@click.command()
+@click.option("--kills", default=5, show_default=True, help="kills that find a run to kill, over every round")
+@click.option("--seed", type=int, help="replays a soak's draws; a new one by default, printed")
+@click.option("--chain", default=3, show_default=True, help="at most this many kills a round before its last run")
+@click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/transformer-soak"), show_default=True)
+@click.option("--reference", type=click.Path(path_type=Path), help="an uninterrupted toy repro's directory to reuse")
+@click.option("--keep/--no-keep", default=False, help="keep every round's project, not only those that differ")
+def main(kills: int, seed: int | None, chain: int, work: Path, reference: Path | None, keep: bool) -> None:
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
+    click.echo(f"soak: seed {seed} (--seed {seed} replays it)", err=True)
+    rng, started = random.Random(seed), time.monotonic()
+    reference = reference or reference_run(work / "reference")
+    seconds = run_seconds(reference)
+    done, failed, round_ = 0, 0, 0
+    while done < kills:
+        round_ += 1
+        where = work / f"round-{round_}"
+        hit, problems, unkilled_s = soak_round(where, reference, rng.randint(1, min(chain, kills - done)), seconds, rng)
+        done += len(hit)
+        failed += bool(problems)
+        click.echo(f"round {round_}: killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True)
+        if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
+            seconds = unkilled_s
+            click.echo(f"  a whole run took {seconds:.0f} s: later kills are drawn over that", err=True)
+        for problem in problems:
+            click.echo(f"  differs: {problem}", err=True)
+        if not problems and not keep:
+            shutil.rmtree(where)
+    minutes = (time.monotonic() - started) / 60
+    click.echo(f"soak: {done} kills in {round_} rounds, {failed} differing, {minutes:.0f} min (seed {seed})", err=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -315,7 +315,7 @@ def test_sampled_ids_are_the_same_in_a_fresh_process(bpe, tmp_path):
 def test_the_sampling_pool_is_stopped_at_exit(bpe, tmp_path):
     """Its workers are kept across epochs; at exit the pool is terminated, not left to teardown."""
     printed = _in_a_fresh_process(
-        "import atexit; from transformer import vocab; vocab.SAMPLE_CHUNK = 64; "
+        "import atexit; from transformer.data import vocab; vocab.SAMPLE_CHUNK = 64; "
         "v = vocab.BpeVocab((d / 'bpe.model').read_bytes()); "
         "vocab.sample_corpus(v, (d / 'lines.txt').read_text().splitlines(), 0.2, 'k', workers=2); "
         "pool = vocab._workers[2]; atexit._run_exitfuncs(); print(vocab._workers is None, pool._state)",

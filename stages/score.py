@@ -67,12 +67,14 @@ def main(
     for t, v in scored.items():
         click.echo(f"{t}: " + ", ".join(f"{k} {x}" for k, x in v.items()), err=True)
     tracked = track and model.get("mlflow_run_id")
-    run_id = _log_evaluation(params, model, scored, translations, references, table) if tracked else None
+    note = evaluation.with_name(f".{evaluation.name}.run")  # the evaluation's run id while it is logged
+    run_id = _log_evaluation(params, model, scored, translations, references, table, note=note) if tracked else None
     write_json(evaluation, {"mlflow_run_id": run_id})
+    note.unlink(missing_ok=True)
 
 
 def _log_evaluation(
-    params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path, table: Path
+    params, model: dict, scored: dict[str, dict[str, float]], translations: Path, references: Path, table: Path, *, note
 ) -> str:
     """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files.
     Returns its id."""
@@ -97,6 +99,7 @@ def _log_evaluation(
         model["step"],
         inputs,
         {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]},
+        note=note,
     )
 
 

@@ -3,7 +3,9 @@ training's, corpus files as dataset inputs, the UI's runs table."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -105,6 +107,26 @@ def test_an_evaluation_is_a_named_run_under_the_training_with_its_params_scores_
     assert {t.key: t.value for t in inputs["toy/train.en"].tags}["mlflow.data.context"] == "training"
     assert [a.path for a in _client(store).list_artifacts(run_id, "translations")] == ["translations/test2016.en"]
     assert _client(store).get_run(training.run_id).data.metrics == {}  # the training's run is left as it was
+
+
+def test_an_evaluation_stopped_while_logging_leaves_no_run_beside_its_rerun(tracking, store, tmp_path, monkeypatch):
+    training = tracking.open_run(EXPERIMENT)
+    training.end()
+    note = tmp_path / ".evaluation.json.run"
+    evaluate = functools.partial(
+        tracking.log_evaluation, training.run_id, EXPERIMENT, "evaluate", {"decode.beam": 3}, {"bleu": 1.0}, 7, {}, {}
+    )
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(tracking.Tracker, "log_metrics", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        evaluate(note=note)  # stopped half-logged; a SIGKILL would leave its run RUNNING instead of FAILED
+    stopped = json.loads(note.read_text())["run_id"]
+    run_id = evaluate(note=note)
+    client = _client(store)
+    experiment = client.get_run(training.run_id).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{training.run_id}'")
+    assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
+    assert client.get_run(stopped).info.lifecycle_stage == "deleted"  # kept by MLflow until `mlflow gc`
+    assert json.loads(note.read_text())["run_id"] == run_id  # the stage removes it once it has recorded the id
 
 
 def test_a_later_stage_adds_its_files_to_a_finished_run_and_nothing_when_untracked(tracking, store, tmp_path):

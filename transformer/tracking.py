@@ -288,11 +288,19 @@ def log_evaluation(
     step: int,
     inputs: dict[str, tuple[Path, str]],
     artifacts: dict[str, list[Path]],
+    *,
+    note: Path | None = None,
 ) -> str:
     """One evaluation of a trained model as a run of its own, nested under the training's run (in
     `experiment` alone where the store lacks that run): the params that made it, its scores, the corpus
-    files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id."""
+    files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id.
+
+    `note` holds the run's id from the moment it opens until the caller, having recorded the id, removes
+    it: a rerun after a kill finds it and deletes the half-logged run (MLflow keeps deleted runs until
+    `mlflow gc`), so the store holds one evaluation, as after an uninterrupted run."""
     tracker = open_run(experiment, run_name=run_name(what), parent_run_id=training_run_id)
+    if note is not None:
+        _replace_noted_run(tracker, note)
     try:
         tracker.log_params(params)
         tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit()})
@@ -306,6 +314,19 @@ def log_evaluation(
         raise
     tracker.end()
     return tracker.run_id
+
+
+def _replace_noted_run(tracker: Tracker, note: Path) -> None:
+    """Deletes the run `note` names (a killed evaluation's) and notes `tracker`'s in its place."""
+    import json
+
+    from transformer.io import write_json
+
+    if note.exists():
+        stale = json.loads(note.read_text(encoding="utf-8"))["run_id"]
+        if stale != tracker.run_id and tracker.has_run(stale):
+            tracker.client.delete_run(stale)
+    write_json(note, {"run_id": tracker.run_id})
 
 
 def experiment_name(corpus: str, src_lang: str, tgt_lang: str) -> str:

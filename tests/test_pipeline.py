@@ -298,20 +298,3 @@ def test_registry_change_reruns_download_and_mirror_change_reruns_nothing(tmp_pa
     rerun = run([DVC, "repro"], repo)
     assert "Running stage 'download'" in rerun.stdout
     assert "Running stage 'tokenize'" not in rerun.stdout  # the same files downloaded: nothing downstream changes
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # a few toy runs, each killed or finished
-def test_repro_killed_at_random_instants_ends_as_an_uninterrupted_run(tmp_path, clean_repro):
-    """bench/soak.py, short: two kills of `dvc repro` and its processes at random instants, a run left to
-    finish, everything compared with clean_repro. A new seed each time; SOAK_SEED=<seed> replays one."""
-    import random
-    import sys
-
-    from conftest import ROOT
-
-    seed = os.environ.get("SOAK_SEED") or str(random.randrange(2**32))
-    soak = [sys.executable, str(ROOT / "bench/soak.py"), "--kills", "2", "--chain", "2", "--seed", seed]
-    result = run([*soak, "--reference", str(clean_repro), "--work", str(tmp_path)], ROOT, check=False, timeout=3600)
-    assert result.returncode == 0, f"SOAK_SEED={seed}:\n{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
-    assert "soak: 2 kills in" in result.stderr, result.stderr[-3000:]

@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import BIN, mlflow_client, project_copy, run, same_values, tiny_params, tool_env  # noqa: E402
+from conftest import BIN, mlflow_client, project_copy, run, same_values, tiny_params  # noqa: E402
 from test_pipeline import RUN_RECORD, SMALL, _tree  # noqa: E402
+from test_pipeline import _start_repro as start_repro  # noqa: E402
 
 DVC = str(BIN / "dvc")
 SAME_TREES = ("data/raw", "data/tokenized", "data/vocab", "data/translations", "reports/figures", "data/export")
@@ -63,17 +64,6 @@ def run_seconds(repo: Path) -> float:
     last write of dvc.lock, which DVC updates after each stage."""
     committed = int(run(["git", "log", "-1", "--format=%ct"], repo).stdout)
     return (repo / "dvc.lock").stat().st_mtime - committed
-
-
-def start_repro(repo: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [DVC, "repro"],
-        cwd=repo,
-        env=tool_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
 
 
 def kill_tree(repro: subprocess.Popen) -> list[str]:

@@ -497,8 +497,8 @@ def torchrun(nnodes: int, nproc: int, node_rank: int = 0, port: int | None = Non
     return cmd
 
 
-def train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
-    """stages/train.py's arguments for a vocab_dir-style toy corpus, outputs under `out`, no tracking."""
+def train_cmd(params: Path, vocab: Path, out: Path, track: bool = False) -> list[str]:
+    """stages/train.py's arguments for a vocab_dir-style toy corpus, outputs under `out`, tracked or not."""
     return [
         "stages/train.py",
         "--params",
@@ -508,7 +508,7 @@ def train_cmd(params: Path, vocab: Path, out: Path) -> list[str]:
         *train_options(out),
         "--references",
         str(vocab.parent / "toy" / "val.en"),
-        "--no-track",
+        "--track" if track else "--no-track",
     ]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import ROOT, run, same_values, tiny_params, tool_env, torchrun, train_options
+from conftest import ROOT, run, same_values, tiny_params, tool_env, torchrun, train_cmd
 
 from transformer import checkpoints
 from transformer.config import params_from_dict, training_params
@@ -39,20 +39,7 @@ def test_the_train_stage_passes_max_restarts_to_torchrun():
 
 
 def _job(params: Path, vocab: Path, out: Path, restarts: int, track: bool) -> list[str]:
-    return [
-        *torchrun(1, 2),
-        "--max-restarts",
-        str(restarts),
-        "stages/train.py",
-        "--params",
-        str(params),
-        "--vocab",
-        str(vocab),
-        *train_options(out),
-        "--references",
-        str(vocab.parent / "toy" / "val.en"),
-        "--track" if track else "--no-track",
-    ]
+    return [*torchrun(1, 2), "--max-restarts", str(restarts), *train_cmd(params, vocab, out, track=track)]
 
 
 def _workers(job: subprocess.Popen) -> list[psutil.Process]:

@@ -14,7 +14,8 @@ from conftest import ROOT, run
 @pytest.mark.timeout(1800)  # a few toy runs, each killed or finished
 def test_repro_killed_at_random_instants_ends_as_an_uninterrupted_run(tmp_path):
     """bench/soak.py, short: two kills of `dvc repro` and its processes at random instants, a run left to
-    finish, everything compared with an uninterrupted run the soak makes first. A new seed each time; SOAK_SEED=<seed> replays one."""
+    finish, everything compared with an uninterrupted run the soak makes first.
+    A new seed each time; SOAK_SEED=<seed> replays one."""
     seed = os.environ.get("SOAK_SEED") or str(random.randrange(2**32))
     soak = [sys.executable, str(ROOT / "bench/soak.py"), "--kills", "2", "--chain", "2", "--seed", seed]
     result = run([*soak, "--work", str(tmp_path)], ROOT, check=False, timeout=3600)

@@ -26,9 +26,13 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -74,7 +78,9 @@ def kill_tree(repro: subprocess.Popen) -> list[str]:
         found = psutil.Process(repro.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         found = []
-    stages = sorted({a.split("stages/")[1] for p in found for a in _cmdline(p) if a.startswith("stages/")})
+    stages = sorted(
+        {a.split("stages/")[1].removesuffix(".py") for p in found for a in _cmdline(p) if a.startswith("stages/")}
+    )
     tree += [p.pid for p in found]
     os.killpg(repro.pid, signal.SIGKILL)
     for pid in tree:
@@ -226,10 +232,20 @@ def soak_round(work: Path, reference: Path, kills: int, seconds: float, rng: ran
         shutil.rmtree(work)
     work.mkdir(parents=True)
     repo = project_copy(work, tiny_params(**SMALL))
-    hit, unkilled_s = kill_chain(repo, kills, seconds, rng)
-    run([DVC, "repro"], repo, timeout=3600)
-    differences = file_differences(repo, reference) + lock_differences(repo, reference)
-    return hit, differences + leftovers(repo) + mlflow_differences(repo, reference), unkilled_s
+    try:
+        hit, unkilled_s = kill_chain(repo, kills, seconds, rng)
+    except click.ClickException as error:
+        return [], [error.message], None
+    last = run([DVC, "repro"], repo, check=False, timeout=3600)
+    if last.returncode != 0:
+        return hit, [f"the last dvc repro failed ({last.returncode}): {last.stderr[-2000:]}"], unkilled_s
+    return hit, differences(repo, reference), unkilled_s
+
+
+def differences(repo: Path, reference: Path) -> list[str]:
+    """Everything in which a finished run differs from the reference, or left behind."""
+    found = file_differences(repo, reference) + lock_differences(repo, reference)
+    return found + leftovers(repo) + mlflow_differences(repo, reference)
 
 
 def reference_run(work: Path) -> Path:
@@ -239,36 +255,87 @@ def reference_run(work: Path) -> Path:
     return repo
 
 
+def references(work: Path, jobs: int) -> tuple[Path, float, list[str]]:
+    """`jobs` uninterrupted runs side by side, under the load the rounds will run under: the first is
+    the reference, their mean wall time what kill instants are drawn over, and they must not differ."""
+    with ThreadPoolExecutor(jobs) as pool:
+        repos = list(pool.map(reference_run, [work / f"reference-{i + 1}" for i in range(jobs)]))
+    seconds = statistics.mean(run_seconds(repo) for repo in repos)
+    problems = [f"{repo.parent.name}: {p}" for repo in repos[1:] for p in differences(repo, repos[0])]
+    return repos[0], seconds, problems
+
+
+def round_rng(seed: int, number: int) -> random.Random:
+    """Each round draws from a generator of its own, so that a seed replays every round's draws however
+    the rounds running side by side interleave."""
+    return random.Random(f"{seed}/{number}")
+
+
+def stage_of(hit: str) -> str:
+    """'train at 12.3 s' -> 'train'; a kill between stages, with only DVC running, is 'dvc'."""
+    return hit.split(" at ")[0]
+
+
+@dataclass
+class Tally:
+    kills: int = 0
+    rounds: int = 0
+    failed: int = 0
+    stages: Counter = field(default_factory=Counter)
+
+    def add(self, number: int, hit: list[str], problems: list[str], minutes: float) -> None:
+        self.kills, self.rounds, self.failed = self.kills + len(hit), self.rounds + 1, self.failed + bool(problems)
+        self.stages.update(stage_of(h) for h in hit)
+        killed = ", ".join(hit) or "nothing (it finished first)"
+        click.echo(f"round {number} ({minutes:.1f} min): killed in {killed}", err=True)
+        for problem in problems:
+            click.echo(f"  differs: {problem}", err=True)
+
+
 @click.command()
 @click.option("--kills", default=5, show_default=True, help="kills that find a run to kill, over every round")
 @click.option("--seed", type=int, help="replays a soak's draws; a new one by default, printed")
 @click.option("--chain", default=3, show_default=True, help="at most this many kills a round before its last run")
+@click.option("--jobs", default=1, show_default=True, help="rounds run side by side (a toy run keeps one core busy)")
 @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/transformer-soak"), show_default=True)
 @click.option("--reference", type=click.Path(path_type=Path), help="an uninterrupted toy repro's directory to reuse")
 @click.option("--keep/--no-keep", default=False, help="keep every round's project, not only those that differ")
-def main(kills: int, seed: int | None, chain: int, work: Path, reference: Path | None, keep: bool) -> None:
+def main(kills: int, seed: int | None, chain: int, jobs: int, work: Path, reference: Path | None, keep: bool) -> None:
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
     click.echo(f"soak: seed {seed} (--seed {seed} replays it)", err=True)
-    rng, started = random.Random(seed), time.monotonic()
-    reference = reference or reference_run(work / "reference")
-    seconds = run_seconds(reference)
-    done, failed, round_ = 0, 0, 0
-    while done < kills:
-        round_ += 1
-        where = work / f"round-{round_}"
-        hit, problems, unkilled_s = soak_round(where, reference, rng.randint(1, min(chain, kills - done)), seconds, rng)
-        done += len(hit)
-        failed += bool(problems)
-        click.echo(f"round {round_}: killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True)
-        if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
-            seconds = unkilled_s
-            click.echo(f"  a whole run took {seconds:.0f} s: later kills are drawn over that", err=True)
-        for problem in problems:
-            click.echo(f"  differs: {problem}", err=True)
-        if not problems and not keep:
-            shutil.rmtree(where)
+    started, tally = time.monotonic(), Tally()
+    if reference:
+        seconds, problems = run_seconds(reference), []
+    else:
+        reference, seconds, problems = references(work, jobs)
+    for problem in problems:
+        click.echo(f"  uninterrupted runs differ: {problem}", err=True)
+    click.echo(f"soak: an uninterrupted run takes {seconds:.0f} s, {jobs} at a time", err=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        running: dict = {}
+        while tally.kills < kills or running:
+            while len(running) < jobs and tally.kills + sum(n for _, n, _ in running.values()) < kills:
+                number = tally.rounds + len(running) + 1
+                rng = round_rng(seed, number)
+                planned = min(rng.randint(1, chain), kills - tally.kills - sum(n for _, n, _ in running.values()))
+                where = work / f"round-{number}"
+                future = pool.submit(soak_round, where, reference, planned, seconds, rng)
+                running[future] = (number, planned, time.monotonic())
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                number, _, began = running.pop(future)
+                hit, round_problems, unkilled_s = future.result()
+                tally.add(number, hit, round_problems, (time.monotonic() - began) / 60)
+                if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
+                    seconds = unkilled_s
+                    click.echo(f"  a whole run took {seconds:.0f} s: later kills are drawn over that", err=True)
+                if not round_problems and not keep:
+                    shutil.rmtree(work / f"round-{number}")
+    stages = ", ".join(f"{stage} {count}" for stage, count in tally.stages.most_common())
+    click.echo(f"soak: kills by stage: {stages}", err=True)
     minutes = (time.monotonic() - started) / 60
-    click.echo(f"soak: {done} kills in {round_} rounds, {failed} differing, {minutes:.0f} min (seed {seed})", err=True)
+    failed = tally.failed + bool(problems)
+    summary = f"{tally.kills} kills in {tally.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})"
+    click.echo(f"soak: {summary}", err=True)
     sys.exit(1 if failed else 0)
 
 

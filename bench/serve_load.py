@@ -4,7 +4,7 @@ a share of bad requests among the good ones.
 Run from the repository root, with a pyfunc model (a directory, or any URI `mlflow models serve -m`
 takes, such as models:/transformer-multi30k-de-en/1):
 
-    python bench/serve_load.py --model <model> [--requests 2000] [--clients 8] [--bad 0.1] \\
+    python -m bench.serve_load --model <model> [--requests 2000] [--clients 8] [--bad 0.1] \\
         [--out reports/serve_load.json]
 
 Each client keeps one HTTP connection and sends its share of the requests one after another. A good
@@ -34,10 +34,7 @@ from pathlib import Path
 import click
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from transformer.serving.serving import MAX_SENTENCES, MESSAGE_LIMIT  # noqa: E402
+from transformer.serving.serving import MAX_SENTENCES, MESSAGE_LIMIT
 
 SENTENCES = [
     "Ein Mann fährt Fahrrad.",

@@ -4,19 +4,21 @@ compared with an uninterrupted run's.
 
 Run from the repository root:
 
-    python bench/soak.py --kills 100 [--seed S] [--chain 3] [--work /tmp/transformer-soak] [--reference DIR]
+    python -m bench.soak --kills 100 --jobs 2 [--seed S] [--chain 3] [--work /tmp/transformer-soak] [--reference DIR]
 
-It builds the test suite's toy project (tests/conftest.py's project_copy with tests/test_pipeline.py's
-SMALL settings) and, unless --reference names one already run, runs it once uninterrupted: the
-reference. Then, round after round, a fresh copy is run and killed one to --chain times, each kill at
-an instant drawn uniformly over the reference's wall time (a kill that finds the run finished is not
-counted), and run once more to its end. Each round's result must match the reference: the files
-tests/test_pipeline.py requires bit-identical (data/raw, data/tokenized, data/vocab, the translations,
-the figures, the scores, model.pt but for the run's record), the CTranslate2 export, dvc.lock but for
-the outputs that hold times, `dvc status` clean, no temporary file, no stale lock and no process left,
-and the MLflow store's runs (names, nesting, status, params, the metrics that do not measure time, each
-step's value once) and registered versions. It prints the seed first: --seed replays a run's draws
-(the instants, not the machine's timing). Exit status 1 if any round differed.
+It builds the test suite's toy project (bench/toy.py's project_copy with its SMALL settings) and,
+unless --reference names one already run, runs it uninterrupted, --jobs copies side by side: the first
+is the reference, and they must not differ. Then, round after round, --jobs at a time, a fresh copy is
+run and killed one to --chain times, each kill at an instant drawn uniformly over the uninterrupted
+runs' wall time (a kill that finds the run finished is not counted), and run once more to its end.
+Each round's result must match the reference: the files tests/test_pipeline.py requires bit-identical
+(data/raw, data/tokenized, data/vocab, the translations, the figures, the scores, model.pt but for the
+run's record), the CTranslate2 export, dvc.lock but for the outputs that hold times, `dvc status`
+clean, no temporary file, no stale lock and no process left, and the MLflow store's runs (names,
+nesting, status, params, the metrics that do not measure time, each step's value once) and registered
+versions. It prints the seed first: --seed replays every round's draws (the instants, not the
+machine's timing), and a tally of the stages the kills fell in last. Exit status 1 if any round
+differed.
 """
 
 from __future__ import annotations
@@ -31,22 +33,26 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from bench.toy import (
+    DVC,
+    RUN_RECORD,
+    SMALL,
+    mlflow_client,
+    project_copy,
+    run,
+    same_values,
+    start_repro,
+    tiny_params,
+    tree,
+)
 
-from conftest import BIN, mlflow_client, project_copy, run, same_values, tiny_params  # noqa: E402
-from test_pipeline import RUN_RECORD, SMALL, _tree  # noqa: E402
-from test_pipeline import _start_repro as start_repro  # noqa: E402
-
-DVC = str(BIN / "dvc")
 SAME_TREES = ("data/raw", "data/tokenized", "data/vocab", "data/translations", "reports/figures", "data/export")
 SAME_FILES = ("reports/scores.json",)
 # Outputs that record times, or an MLflow run's id: their hashes in dvc.lock differ from run to run.
@@ -70,7 +76,7 @@ def run_seconds(repo: Path) -> float:
     return (repo / "dvc.lock").stat().st_mtime - committed
 
 
-def kill_tree(repro: subprocess.Popen) -> list[str]:
+def killtree(repro: subprocess.Popen) -> list[str]:
     """SIGKILLs `dvc repro`'s process group and every process it started, in any session (torchrun's
     workers have their own); returns the stages that were running."""
     tree = [repro.pid]
@@ -114,7 +120,7 @@ def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tu
             if repro.returncode != 0:
                 raise click.ClickException(f"{repo}: dvc repro failed ({repro.returncode}) before its kill")
             return hit, None if hit else time.monotonic() - started
-        stages = kill_tree(repro)
+        stages = killtree(repro)
         hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s")
     return hit, None
 
@@ -122,7 +128,7 @@ def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tu
 def file_differences(repo: Path, reference: Path) -> list[str]:
     import torch
 
-    found = [name for name in SAME_TREES if _tree(repo / name) != _tree(reference / name)]
+    found = [name for name in SAME_TREES if tree(repo / name) != tree(reference / name)]
     found += [name for name in SAME_FILES if (repo / name).read_bytes() != (reference / name).read_bytes()]
     mine, theirs = (torch.load(r / "data/model/model.pt", weights_only=True) for r in (repo, reference))
     if mine.keys() != theirs.keys():
@@ -277,19 +283,56 @@ def stage_of(hit: str) -> str:
 
 
 @dataclass
-class Tally:
-    kills: int = 0
+class Soak:
+    """Rounds, `jobs` at a time, until `kills` kills have found a run to kill; what they hit, by stage."""
+
+    kills: int
+    seed: int
+    chain: int
+    work: Path
+    reference: Path
+    seconds: float  # what kill instants are drawn over
+    keep: bool
+    done: int = 0
     rounds: int = 0
     failed: int = 0
     stages: Counter = field(default_factory=Counter)
+    running: dict = field(default_factory=dict)  # future -> (round number, kills planned, started)
 
-    def add(self, number: int, hit: list[str], problems: list[str], minutes: float) -> None:
-        self.kills, self.rounds, self.failed = self.kills + len(hit), self.rounds + 1, self.failed + bool(problems)
+    def run(self, jobs: int) -> None:
+        with ThreadPoolExecutor(jobs) as pool:
+            while self.done < self.kills or self.running:
+                while len(self.running) < jobs and self._wanted() > 0:
+                    self._start(pool)
+                for future in wait(self.running, return_when=FIRST_COMPLETED).done:
+                    self._finish(future)
+
+    def _wanted(self) -> int:
+        return self.kills - self.done - sum(planned for _, planned, _ in self.running.values())
+
+    def _start(self, pool: ThreadPoolExecutor) -> None:
+        number = self.rounds + len(self.running) + 1
+        rng = round_rng(self.seed, number)
+        planned = min(rng.randint(1, self.chain), self._wanted())
+        future = pool.submit(soak_round, self.work / f"round-{number}", self.reference, planned, self.seconds, rng)
+        self.running[future] = (number, planned, time.monotonic())
+
+    def _finish(self, future: Future) -> None:
+        number, _, started = self.running.pop(future)
+        hit, problems, unkilled_s = future.result()
+        self.done, self.rounds, self.failed = self.done + len(hit), self.rounds + 1, self.failed + bool(problems)
         self.stages.update(stage_of(h) for h in hit)
-        killed = ", ".join(hit) or "nothing (it finished first)"
-        click.echo(f"round {number} ({minutes:.1f} min): killed in {killed}", err=True)
+        minutes = (time.monotonic() - started) / 60
+        click.echo(
+            f"round {number} ({minutes:.1f} min): killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True
+        )
+        if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
+            self.seconds = unkilled_s
+            click.echo(f"  a whole run took {unkilled_s:.0f} s: later kills are drawn over that", err=True)
         for problem in problems:
             click.echo(f"  differs: {problem}", err=True)
+        if not problems and not self.keep:
+            shutil.rmtree(self.work / f"round-{number}")
 
 
 @click.command()
@@ -303,7 +346,7 @@ class Tally:
 def main(kills: int, seed: int | None, chain: int, jobs: int, work: Path, reference: Path | None, keep: bool) -> None:
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
     click.echo(f"soak: seed {seed} (--seed {seed} replays it)", err=True)
-    started, tally = time.monotonic(), Tally()
+    started = time.monotonic()
     if reference:
         seconds, problems = run_seconds(reference), []
     else:
@@ -311,31 +354,14 @@ def main(kills: int, seed: int | None, chain: int, jobs: int, work: Path, refere
     for problem in problems:
         click.echo(f"  uninterrupted runs differ: {problem}", err=True)
     click.echo(f"soak: an uninterrupted run takes {seconds:.0f} s, {jobs} at a time", err=True)
-    with ThreadPoolExecutor(jobs) as pool:
-        running: dict = {}
-        while tally.kills < kills or running:
-            while len(running) < jobs and tally.kills + sum(n for _, n, _ in running.values()) < kills:
-                number = tally.rounds + len(running) + 1
-                rng = round_rng(seed, number)
-                planned = min(rng.randint(1, chain), kills - tally.kills - sum(n for _, n, _ in running.values()))
-                where = work / f"round-{number}"
-                future = pool.submit(soak_round, where, reference, planned, seconds, rng)
-                running[future] = (number, planned, time.monotonic())
-            for future in wait(running, return_when=FIRST_COMPLETED).done:
-                number, _, began = running.pop(future)
-                hit, round_problems, unkilled_s = future.result()
-                tally.add(number, hit, round_problems, (time.monotonic() - began) / 60)
-                if unkilled_s:  # the machine runs faster than it ran the reference: draw over what a run takes now
-                    seconds = unkilled_s
-                    click.echo(f"  a whole run took {seconds:.0f} s: later kills are drawn over that", err=True)
-                if not round_problems and not keep:
-                    shutil.rmtree(work / f"round-{number}")
-    stages = ", ".join(f"{stage} {count}" for stage, count in tally.stages.most_common())
-    click.echo(f"soak: kills by stage: {stages}", err=True)
-    minutes = (time.monotonic() - started) / 60
-    failed = tally.failed + bool(problems)
-    summary = f"{tally.kills} kills in {tally.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})"
-    click.echo(f"soak: {summary}", err=True)
+    soak = Soak(kills=kills, seed=seed, chain=chain, work=work, reference=reference, seconds=seconds, keep=keep)
+    soak.run(jobs)
+    click.echo(f"soak: kills by stage: {', '.join(f'{s} {n}' for s, n in soak.stages.most_common())}", err=True)
+    minutes, failed = (time.monotonic() - started) / 60, soak.failed + bool(problems)
+    click.echo(
+        f"soak: {soak.done} kills in {soak.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})",
+        err=True,
+    )
     sys.exit(1 if failed else 0)
 
 

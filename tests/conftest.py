@@ -1,16 +1,11 @@
-"""Shared fixtures: a learnable toy corpus, tiny params, a vocabulary directory."""
+"""Shared fixtures: the toy project (bench/toy.py), tiny models, a vocabulary directory, MLflow servers."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
-import random
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tarfile
 import time
 import urllib.error
@@ -24,16 +19,23 @@ import yaml
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# The processes tests start (stages, torchrun ranks, dvc repro) run tiny models, and `make test`
-# runs a pytest worker per core: with torch's default of a thread per core each, two threads share
-# every core and torch's parallel ops wait on the descheduled one. One thread a process; a value
-# set by whoever runs the tests is kept.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-SRC_WORDS = [f"{c}{v}n" for c in "bdfgklmprst" for v in "aeiou"][:40]
-LEXICON = dict(zip(SRC_WORDS, [f"{v}{c}" for c in "bdfgklmprst" for v in "aeiou"][:40]))
+from bench.toy import (  # noqa: F401  (the toy project's helpers, imported by the tests from here)
+    BIN,
+    DVC,
+    LEXICON,
+    ROOT,
+    SRC_WORDS,
+    TINY_PARAMS,
+    free_port,
+    mlflow_client,
+    project_copy,
+    run,
+    same_values,
+    tiny_params,
+    tool_env,
+    toy_pairs,
+    write_toy_corpus,
+)
 
 
 class DataDependentOps(TorchDispatchMode):
@@ -68,73 +70,6 @@ class HostReads(TorchFunctionMode):
         if name in self.READS:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
-
-
-def toy_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    """A word-for-word translation through a fixed dictionary: learnable in seconds."""
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(n):
-        words = rng.choices(SRC_WORDS, k=rng.randint(3, 7))
-        pairs.append((" ".join(words) + ".", " ".join(LEXICON[w] for w in words) + "."))
-    return pairs
-
-
-def write_toy_corpus(directory: Path, splits: dict[str, int] | None = None, langs=("de", "en")) -> Path:
-    """Raw files plus a registry (local paths, sha256 pinned); returns the registry path."""
-    splits = splits or {"train": 1500, "val": 60, "test2016": 60}
-    directory.mkdir(parents=True, exist_ok=True)
-    entry = {}
-    for seed, (split, n) in enumerate(splits.items()):
-        pairs = toy_pairs(n, seed)
-        entry[split] = {}
-        for side, lang in enumerate(langs):
-            path = directory / f"{split}.{lang}"
-            path.write_text("".join(p[side] + "\n" for p in pairs), encoding="utf-8")
-            entry[split][lang] = [{"path": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}]
-    registry = directory / "corpora.yaml"
-    registry.write_text(yaml.safe_dump({"toy": entry}), encoding="utf-8")
-    return registry
-
-
-# tiny_params's changes to params.yaml: the toy corpus, a tiny model, short training.
-TINY_PARAMS = {
-    "data.corpus": "toy",
-    "data.registry": "toy/corpora.yaml",
-    "vocab.kind": "bpe",
-    "vocab.size": 120,
-    "model.N": 1,
-    "model.d_model": 32,
-    "model.d_ff": 64,
-    "model.h": 2,
-    "model.dropout": 0.0,
-    "train.max_tokens": 400,
-    "train.epochs": 12,
-    "train.factor": 1.0,
-    "train.warmup": 100,
-    "train.cooldown": 0.0,
-    "train.keep": 3,
-    "train.precision": "fp32",
-    "train.rdrop": 0.0,
-    "train.rdrop_share": 1.0,
-    "train.weight_decay": 0.0,
-    "average.last_k": 2,
-    "decode.beam": 2,
-    "decode.alpha": 1.0,
-}
-
-
-def tiny_params(**overrides) -> dict:
-    """The default params with a tiny model and short training; overrides as {'train.epochs': 2}.
-
-    The choices tuned on real data (the cooldown, α) are pinned, so retuning a recipe does not move
-    the tests; the tests that are about them set them.
-    """
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for key, value in (TINY_PARAMS | overrides).items():
-        section, name = key.split(".")
-        params[section][name] = value
-    return params
 
 
 # The tests' smallest model's sizes (a bench.Size takes these four); tiny_config adds the rest.
@@ -179,12 +114,6 @@ def tiny_model_file(path: Path, src, tgt, params: dict | None = None, seed: int 
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for_http(url: str, process: subprocess.Popen, log: Callable[[], str], seconds: float = 240) -> None:
     """Polls `url` until it answers 200. Fails at once, with the tail of `log()`, if `process` exits, and
     after `seconds`: a hang guard, since a server imports slowly on a loaded machine."""
@@ -199,12 +128,6 @@ def wait_for_http(url: str, process: subprocess.Popen, log: Callable[[], str], s
         assert process.poll() is None, f"{process.args[0]} exited {process.returncode}:\n{log()[-3000:]}"
         assert time.monotonic() < deadline, f"{url} did not answer within {seconds} s"
         time.sleep(0.2)
-
-
-def tool_env(**extra: str) -> dict[str, str]:
-    """A subprocess's environment: this one, with the venv's tools first on PATH and a free port for torchrun's
-    master (two tests running at once must not both take its default), then `extra`."""
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | extra
 
 
 class MlflowServer:
@@ -262,27 +185,6 @@ def stop_group(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             process.wait(15)
 
 
-def run(
-    cmd: list[str],
-    cwd: Path,
-    check: bool = True,
-    timeout: int = 300,
-    env: dict | None = None,
-    input_text: str | None = None,
-    preexec_fn: Callable[[], None] | None = None,
-) -> subprocess.CompletedProcess:
-    stdin = {"input": input_text} if input_text is not None else {"stdin": subprocess.DEVNULL}
-    full_env = tool_env(**(env or {}))
-    result = subprocess.run(
-        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env, preexec_fn=preexec_fn, **stdin
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-        )
-    return result
-
-
 def train_outputs(directory: Path):
     """Training's outputs under `directory`: checkpoints in ckpt/, the reports in reports/."""
     from transformer.training.train import Outputs
@@ -308,42 +210,21 @@ def train_options(directory: Path) -> list[str]:
     ]
 
 
-@pytest.fixture
-def vocab_dir(tmp_path: Path) -> Path:
-    """A toy corpus tokenized and turned into a BPE vocabulary with token-id arrays."""
+def toy_vocab(directory: Path, train: int = 600) -> Path:
+    """A toy corpus under `directory` (`train` pairs, 40 to validate on), tokenized and turned into a BPE
+    vocabulary with token-id arrays: the vocabulary's directory, `directory`/vocab."""
     from transformer.data.tokenize import tokenize_corpus
     from transformer.data.vocab import build_vocabs
 
-    registry = write_toy_corpus(tmp_path / "toy", {"train": 600, "val": 40})
-    raw = registry.parent
-    tokenize_corpus(raw, tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp_path / "tok", tmp_path / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
-    return tmp_path / "vocab"
+    raw = write_toy_corpus(directory / "toy", {"train": train, "val": 40}).parent
+    tokenize_corpus(raw, directory / "tok", ["train", "val"], ("de", "en"), "train", 100)
+    build_vocabs(directory / "tok", directory / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
+    return directory / "vocab"
 
 
-def project_copy(tmp_path: Path, params: dict) -> Path:
-    """A fresh git + DVC repository holding the project and the toy corpus."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in ("dvc.yaml", "stages", "transformer"):
-        src = ROOT / name
-        (
-            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-            if src.is_dir()
-            else shutil.copy(src, repo / name)
-        )
-    write_toy_corpus(repo / "toy")
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (repo / ".gitignore").write_text("mlflow.db\nmlartifacts/\n")
-    git = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
-    run(["git", "init", "-q"], repo)
-    run(["git", "config", "user.name", "Test"], repo)
-    run(["git", "config", "user.email", "test@example.com"], repo)
-    run([str(BIN / "dvc"), "init", "-q"], repo)
-    run([str(BIN / "dvc"), "config", "core.analytics", "false"], repo)
-    run(["git", "add", "-A"], repo)
-    run(git + ["commit", "-qm", "toy project"], repo)
-    return repo
+@pytest.fixture
+def vocab_dir(tmp_path: Path) -> Path:
+    return toy_vocab(tmp_path)
 
 
 def tgz(path: Path, members: dict[str, str]) -> None:
@@ -355,13 +236,6 @@ def tgz(path: Path, members: dict[str, str]) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-
-
-def mlflow_client(repo: Path):
-    """A client of the repo's mlflow.db, where the stages log."""
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
 
 
 def mlflow_runs(repo: Path, name: str = "toy-de-en") -> dict[str, object]:
@@ -510,16 +384,3 @@ def train_cmd(params: Path, vocab: Path, out: Path, track: bool = False) -> list
         str(vocab.parent / "toy" / "val.en"),
         "--track" if track else "--no-track",
     ]
-
-
-def same_values(a, b) -> bool:
-    """Exact equality of nested dicts and lists of tensors and numbers."""
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
-    return a == b

@@ -11,9 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BIN, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env
+from conftest import DVC, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env
 
-DVC = str(BIN / "dvc")
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
 DOWNSTREAM_OF_TRAIN = {
     "train",

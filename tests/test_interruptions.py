@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 import yaml
-from conftest import BIN, ROOT, run, tiny_params, tool_env, toy_pairs, train_options
+from conftest import ROOT, run, tiny_params, tool_env, torchrun, toy_pairs, train_cmd, train_options
 
 from transformer import checkpoints
 
@@ -117,22 +117,7 @@ def test_a_killed_launcher_takes_its_worker_with_it(tmp_path, vocab_dir):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.epochs": 1000})))  # it trains until killed
     job = subprocess.Popen(
-        [
-            str(BIN / "torchrun"),
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "1",
-            "stages/train.py",
-            "--params",
-            str(params),
-            "--vocab",
-            str(vocab_dir),
-            *train_options(tmp_path),
-            "--references",
-            str(vocab_dir.parent / "toy" / "val.en"),
-            "--no-track",
-        ],
+        [*torchrun(1, 1), *train_cmd(params, vocab_dir, tmp_path)],
         cwd=ROOT,
         env=tool_env(),
         stdout=subprocess.DEVNULL,
@@ -163,28 +148,13 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(**{"train.nproc": 2, "train.epochs": 8, "train.save_every": 4})))
 
-    def torchrun(out: Path) -> list[str]:
-        return [
-            str(BIN / "torchrun"),
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "stages/train.py",
-            "--params",
-            str(params),
-            "--vocab",
-            str(vocab_dir),
-            *train_options(out),
-            "--references",
-            str(vocab_dir.parent / "toy" / "val.en"),
-            "--no-track",
-        ]
+    def job_cmd(out: Path) -> list[str]:
+        return [*torchrun(1, 2), *train_cmd(params, vocab_dir, out)]
 
-    run(torchrun(tmp_path / "reference"), ROOT, timeout=1200)  # timeouts here are hang guards, not speed tests
+    run(job_cmd(tmp_path / "reference"), ROOT, timeout=1200)  # timeouts here are hang guards, not speed tests
     last = checkpoints.listed(tmp_path / "reference" / "ckpt")[-1]
     job = subprocess.Popen(
-        torchrun(tmp_path / "killed"),
+        job_cmd(tmp_path / "killed"),
         cwd=ROOT,
         env=tool_env(),
         stdout=subprocess.DEVNULL,
@@ -204,7 +174,7 @@ def test_dead_ddp_worker_stops_the_job_and_the_rerun_resumes_to_the_same_weights
     before = checkpoints.listed(tmp_path / "killed" / "ckpt")
     assert before[-1].name < last.name, "the job finished before the worker died"
 
-    resumed = run(torchrun(tmp_path / "killed"), ROOT, timeout=1200)
+    resumed = run(job_cmd(tmp_path / "killed"), ROOT, timeout=1200)
     assert f"resuming from {before[-1]}" in resumed.stderr
     kept = checkpoints.listed(tmp_path / "killed" / "ckpt")
     assert [p.name for p in kept] == [p.name for p in checkpoints.listed(tmp_path / "reference" / "ckpt")]

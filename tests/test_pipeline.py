@@ -16,20 +16,20 @@ import pytest
 import yaml
 from conftest import (
     BIN,
+    DVC,
     mlflow_client,
     mlflow_runs,
     project_copy,
     run,
     same_values,
     tiny_params,
-    tool_env,
     write_toy_corpus,
 )
 from test_experiments import DOWNSTREAM_OF_TRAIN
 
+from bench.toy import RUN_RECORD, SMALL, start_repro, tree
 from transformer.kernels.memory import KERNEL_CACHE, mimalloc_library
 
-DVC = str(BIN / "dvc")
 STAGES = {"download", "tokenize", "build_vocab"} | DOWNSTREAM_OF_TRAIN
 TIMED = STAGES - {"report", "export"}  # the report reads the others' times, and export runs after it
 
@@ -158,18 +158,6 @@ def test_download_stage_reads_the_mirror_and_verifies_checksums(tmp_path):
 
 # The toy pipeline at its smallest that still exercises every path: 3 epochs, a checkpoint every
 # 10 updates (so a kill in the first epoch has something to resume from).
-SMALL = {"train.epochs": 3, "train.save_every": 10, "average.last_k": 2}
-
-
-def _tree(directory: Path) -> dict[str, str]:
-    """sha256 of every file under `directory`, by relative path."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def clean_repro(tmp_path_factory) -> Path:
     """One clean `dvc repro` of the toy pipeline at the smallest settings, shared read-only."""
@@ -185,15 +173,12 @@ def test_two_clean_repros_in_separate_directories_are_byte_identical(tmp_path, c
     _assert_same_model(other, clean_repro)
     assert (other / "reports/scores.json").read_bytes() == (clean_repro / "reports/scores.json").read_bytes()
     for name in ("data/translations", "reports/figures"):
-        mine, theirs = _tree(other / name), _tree(clean_repro / name)
+        mine, theirs = tree(other / name), tree(clean_repro / name)
         assert mine and mine == theirs, name
 
 
 # model.pt records its run: the MLflow run id (each repro opens its own run) and the training's
 # wall time. Everything else in it, weights first, must be equal bit for bit.
-RUN_RECORD = ("mlflow_run_id", "train_time_s")
-
-
 def _assert_same_model(repo: Path, reference: Path) -> None:
     import torch
 
@@ -201,17 +186,6 @@ def _assert_same_model(repo: Path, reference: Path) -> None:
     assert mine.keys() == theirs.keys()
     for key in sorted(set(theirs) - set(RUN_RECORD)):
         assert same_values(mine[key], theirs[key]), f"model.pt differs in '{key}'"
-
-
-def _start_repro(repo: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [DVC, "repro"],
-        cwd=repo,
-        env=tool_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # its own process group: the kill takes the stage with it
 
 
 def _kill_when(repro: subprocess.Popen, ready, what: str, seconds: float = 900) -> None:
@@ -240,20 +214,20 @@ def test_repro_killed_in_every_writing_stage_resumes_to_a_clean_runs_outputs(tmp
     source = repo / "toy" / "val.en"
     source.unlink()
     os.mkfifo(source)
-    _kill_when(_start_repro(repo), lambda: list(data.glob(".raw.*.tmp")), "download writing data/raw")
+    _kill_when(start_repro(repo), lambda: list(data.glob(".raw.*.tmp")), "download writing data/raw")
     assert not (data / "raw").exists() and _temp_files(repo), "the kill did not land mid-write"
     source.unlink()
     run(["git", "checkout", "--", "toy/val.en"], repo)
 
-    _kill_when(_start_repro(repo), lambda: list(data.glob(".tokenized.*.tmp")), "tokenize writing data/tokenized")
+    _kill_when(start_repro(repo), lambda: list(data.glob(".tokenized.*.tmp")), "tokenize writing data/tokenized")
     assert not (data / "tokenized").exists() and list(data.glob(".tokenized.*.tmp"))
     assert not list(data.glob(".raw.*.tmp")), "the rerun of download removed the temp folder the killed one left"
 
-    _kill_when(_start_repro(repo), lambda: list(data.glob(".vocab.*.tmp")), "build_vocab writing data/vocab")
+    _kill_when(start_repro(repo), lambda: list(data.glob(".vocab.*.tmp")), "build_vocab writing data/vocab")
     assert not (data / "vocab").exists() and list(data.glob(".vocab.*.tmp"))
     assert not list(data.glob(".tokenized.*.tmp"))
 
-    _kill_when(_start_repro(repo), lambda: list((data / "checkpoints").glob("ckpt_*.pt")), "a checkpoint")
+    _kill_when(start_repro(repo), lambda: list((data / "checkpoints").glob("ckpt_*.pt")), "a checkpoint")
     assert not (data / "model").exists()
 
     rerun = run([DVC, "repro"], repo, timeout=1200)
@@ -261,7 +235,7 @@ def test_repro_killed_in_every_writing_stage_resumes_to_a_clean_runs_outputs(tmp
     assert "Running stage 'download'" not in rerun.stdout and "Running stage 'build_vocab'" not in rerun.stdout
     assert _temp_files(repo) == []
     for name in ("data/raw", "data/tokenized", "data/vocab", "data/translations"):
-        assert _tree(repo / name) == _tree(clean_repro / name), name
+        assert tree(repo / name) == tree(clean_repro / name), name
     _assert_same_model(repo, clean_repro)
     assert "Data and pipelines are up to date" in run([DVC, "status"], repo).stdout
 
@@ -272,13 +246,13 @@ def test_a_second_member_trains_alone_and_every_stage_after_train_uses_both(tmp_
 
     repo = tmp_path / "repo"
     shutil.copytree(clean_repro, repo, symlinks=True)
-    trained = _tree(repo / "data/checkpoints")
+    trained = tree(repo / "data/checkpoints")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"]["members"] = 2
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     ensemble = run([DVC, "repro"], repo, timeout=600)
     assert "member 2 of 2: seed 2" in ensemble.stderr and "resuming from data/checkpoints/ckpt_" in ensemble.stderr
-    assert {k: v for k, v in _tree(repo / "data/checkpoints").items() if not k.startswith("seed2/")} == trained
+    assert {k: v for k, v in tree(repo / "data/checkpoints").items() if not k.startswith("seed2/")} == trained
     model = torch.load(repo / "data/model/model.pt", weights_only=True)
     assert [m["seed"] for m in model["members"]] == [2] and "holds the first member's alone" in ensemble.stderr
     ran = {line.split("'")[1] for line in ensemble.stdout.splitlines() if line.startswith("Running stage")}

@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, mlflow_runs, project_copy, run, tgz, toy_pairs
+from conftest import DVC, ROOT, mlflow_runs, project_copy, run, tgz, toy_pairs
 
 from transformer.presets import recipe
 
-DVC = str(BIN / "dvc")
 pytestmark = pytest.mark.slow
 
 

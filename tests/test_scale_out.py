@@ -89,16 +89,9 @@ def _kill_9(jobs: list[subprocess.Popen]) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_vocab(tmp_path_factory) -> Path:
-    from conftest import write_toy_corpus
+    from conftest import toy_vocab
 
-    from transformer.data.tokenize import tokenize_corpus
-    from transformer.data.vocab import build_vocabs
-
-    tmp = tmp_path_factory.mktemp("scale_vocab")
-    raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
-    tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
-    return tmp / "vocab"
+    return toy_vocab(tmp_path_factory.mktemp("scale_vocab"))
 
 
 @pytest.fixture(scope="module")

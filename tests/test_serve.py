@@ -228,8 +228,8 @@ def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_c
     model, vocab = _save_model(tmp_path, src, tgt, max_len_extra=2)
     save_model(model, vocab, tmp_path / "pyfunc")
     out = tmp_path / "load.json"
-    cmd = [sys.executable, str(ROOT / "bench/serve_load.py"), "--model", str(tmp_path / "pyfunc"), "--requests", "300"]
-    run([*cmd, "--clients", "8", "--out", str(out)], tmp_path, timeout=900)
+    cmd = [sys.executable, "-m", "bench.serve_load", "--model", str(tmp_path / "pyfunc"), "--requests", "300"]
+    run([*cmd, "--clients", "8", "--out", str(out)], ROOT, timeout=900)
     report = json.loads(out.read_text())
     assert (report["requests"], report["clients"]) == (300, 8) and report["bad"] >= 15, report
     assert report["good_failed"] == report["bad_failed"] == 0, report["problems"]

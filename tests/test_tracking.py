@@ -129,6 +129,30 @@ def test_an_evaluation_stopped_while_logging_leaves_no_run_beside_its_rerun(trac
     assert json.loads(note.read_text())["run_id"] == run_id  # the stage removes it once it has recorded the id
 
 
+def test_an_evaluation_logged_whole_is_not_logged_again_and_a_changed_one_is(tracking, store, tmp_path):
+    """A score stage killed after logging its evaluation, before DVC recorded its outputs, reruns: the
+    same evaluation finds its finished run; a changed one (other scores) opens a run of its own."""
+    training = tracking.open_run(EXPERIMENT)
+    training.end()
+    note = tmp_path / ".evaluation.json.run"
+    table = tmp_path / "scores.md"
+    table.write_text("# Scores\n")
+    evaluate = functools.partial(
+        tracking.log_evaluation, training.run_id, EXPERIMENT, "evaluate", {"decode.beam": 3}, step=7, inputs={}
+    )
+    first = evaluate(metrics={"bleu": 1.0}, artifacts={"reports": [table]}, note=note)
+    assert evaluate(metrics={"bleu": 1.0}, artifacts={"reports": [table]}, note=note) == first
+    assert json.loads(note.read_text())["run_id"] == first
+    changed = evaluate(metrics={"bleu": 2.0}, artifacts={"reports": [table]}, note=note)
+    table.write_text("# Scores, another table\n")
+    other_file = evaluate(metrics={"bleu": 1.0}, artifacts={"reports": [table]}, note=note)
+    client = _client(store)
+    experiment = client.get_run(training.run_id).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{training.run_id}'")
+    assert sorted(r.info.run_id for r in runs) == sorted({first, changed, other_file})
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}  # none deleted: each one whole
+
+
 def test_a_later_stage_adds_its_files_to_a_finished_run_and_nothing_when_untracked(tracking, store, tmp_path):
     training = tracking.open_run(EXPERIMENT)
     training.end()

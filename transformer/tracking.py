@@ -279,6 +279,9 @@ def run_in_store(run_id: str, what: str) -> bool:
     return False
 
 
+EVALUATION_SHA256 = "evaluation_sha256"  # the tag that identifies an evaluation logged whole
+
+
 def log_evaluation(
     training_run_id: str,
     experiment: str,
@@ -295,15 +298,23 @@ def log_evaluation(
     `experiment` alone where the store lacks that run): the params that made it, its scores, the corpus
     files it read ({name: (path, context)}) and the DVC experiment that ran it. Returns its id.
 
-    `note` holds the run's id from the moment it opens until the caller, having recorded the id, removes
-    it: a rerun after a kill finds it and deletes the half-logged run (MLflow keeps deleted runs until
-    `mlflow gc`), so the store holds one evaluation, as after an uninterrupted run."""
-    tracker = open_run(experiment, run_name=run_name(what), parent_run_id=training_run_id)
+    An evaluation the store holds whole already (a finished run of the same name under the same
+    training run, with the same params, scores, step and files: its `evaluation_sha256` tag) is not
+    logged again: a score stage killed after logging, before DVC recorded its outputs, reruns to the
+    same run. `note` holds the run's id from the moment it opens until the caller, having recorded the
+    id, removes it: a rerun after a kill finds it and deletes the half-logged run (MLflow keeps deleted
+    runs until `mlflow gc`), so the store holds one evaluation, as after an uninterrupted run."""
+    name = run_name(what)
+    identity = _evaluation_sha256([training_run_id, name, params, metrics, step], artifacts)
+    logged = _finished_run_tagged(EVALUATION_SHA256, identity)
+    tracker = attach(logged) if logged else open_run(experiment, run_name=name, parent_run_id=training_run_id)
     if note is not None:
         _replace_noted_run(tracker, note)
+    if logged:
+        return logged
     try:
         tracker.log_params(params)
-        tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit()})
+        tracker.set_tags({"dvc_exp_name": dvc_exp_name(), "git_commit": git_commit(), EVALUATION_SHA256: identity})
         tracker.log_inputs(inputs)
         tracker.log_metrics(metrics, step)
         for directory, paths in artifacts.items():
@@ -316,8 +327,31 @@ def log_evaluation(
     return tracker.run_id
 
 
+def _evaluation_sha256(record: list, artifacts: dict[str, list[Path]]) -> str:
+    """sha256 of `record` (JSON) and of every artifact's name and bytes."""
+    import hashlib
+    import json
+
+    from transformer.io import sha256_file
+
+    files = {f"{directory}/{path.name}": sha256_file(path) for directory, paths in artifacts.items() for path in paths}
+    return hashlib.sha256(json.dumps([record, files], sort_keys=True).encode()).hexdigest()
+
+
+def _finished_run_tagged(tag: str, value: str) -> str | None:
+    """The id of a finished run of any experiment whose `tag` is `value`, if the store holds one."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri())
+    with store_errors():
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        found = experiments and client.search_runs(experiments, f"tags.{tag} = '{value}' and status = 'FINISHED'")
+    return found[0].info.run_id if found else None
+
+
 def _replace_noted_run(tracker: Tracker, note: Path) -> None:
-    """Deletes the run `note` names (a killed evaluation's) and notes `tracker`'s in its place."""
+    """Deletes the run `note` names where it is a half-logged one (a killed evaluation's: not finished)
+    and notes `tracker`'s in its place."""
     import json
 
     from transformer.io import write_json
@@ -325,7 +359,8 @@ def _replace_noted_run(tracker: Tracker, note: Path) -> None:
     if note.exists():
         stale = json.loads(note.read_text(encoding="utf-8"))["run_id"]
         if stale != tracker.run_id and tracker.has_run(stale):
-            tracker.client.delete_run(stale)
+            if tracker.client.get_run(stale).info.status != "FINISHED":
+                tracker.client.delete_run(stale)
     write_json(note, {"run_id": tracker.run_id})
 
 

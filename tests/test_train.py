@@ -332,15 +332,10 @@ def test_training_cools_down_over_its_last_updates(tmp_path, vocab_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """One reference run for the kill tests: (params, vocabulary, output directory)."""
-    from conftest import write_toy_corpus
-
-    from transformer.data.tokenize import tokenize_corpus
-    from transformer.data.vocab import build_vocabs
+    from conftest import toy_vocab
 
     tmp = tmp_path_factory.mktemp("reference")
-    raw = write_toy_corpus(tmp / "toy", {"train": 600, "val": 40}).parent
-    tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
+    toy_vocab(tmp)
     # ~11 ms a step here: 20 epochs (240 steps) outlast the latest kill (step 30 + 0.1 s) several times over
     # Both dropouts draw from torch's generator, which a checkpoint must carry for the resumed run to repeat them.
     params = write_params(
@@ -431,15 +426,10 @@ def _watch_for_first_epoch(proc: subprocess.Popen, started) -> None:
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
     """One uninterrupted run with BPE-dropout and a cooldown: (command maker, tokenized text, output, stderr)."""
-    from conftest import write_toy_corpus
-
-    from transformer.data.tokenize import tokenize_corpus
-    from transformer.data.vocab import build_vocabs
+    from conftest import toy_vocab
 
     tmp = tmp_path_factory.mktemp("sampled")
-    raw = write_toy_corpus(tmp / "toy", {"train": 300, "val": 40}).parent
-    tokenize_corpus(raw, tmp / "tok", ["train", "val"], ("de", "en"), "train", 100)
-    build_vocabs(tmp / "tok", tmp / "vocab", ("de", "en"), "bpe", 120, 1, "train", "val", seed=1)
+    toy_vocab(tmp, train=300)
     params = write_params(
         tmp,
         **{
@@ -895,6 +885,34 @@ def test_the_report_counts_each_epochs_batch_shapes_and_padding_to_8_makes_fewer
         assert [m["batch_shapes"] for m in tracker.metrics if "batch_shapes" in m] == list(expected.values())
         counts[multiple] = max(expected.values())
     assert 0 < counts[8] < counts[1]
+
+
+def test_a_run_resumed_mid_epoch_logs_the_epochs_batch_shapes_at_its_first_update(tmp_path, vocab_dir, monkeypatch):
+    """An epoch's batch_shapes is one MLflow value at the epoch's first update, whether a kill fell inside
+    that epoch or not: the resumed run logs it again at that step, not at the step it resumed from."""
+    import transformer.training.train as train_module
+
+    params = params_from_dict(tiny_params(**{"train.epochs": 2, "train.save_every": 5}))
+    whole, killed, resumed = _Recorder(), _Recorder(), _Recorder()
+    train_module.train(params, vocab_dir, train_outputs(tmp_path / "whole"), whole.factory)
+    update = train_module.Trainer._update
+
+    def dying(loop, group):
+        if loop.progress.step == 17:  # inside the second epoch, after the checkpoint of step 15
+            raise RuntimeError("killed")
+        update(loop, group)
+
+    monkeypatch.setattr(train_module.Trainer, "_update", dying)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"), killed.factory)
+    monkeypatch.setattr(train_module.Trainer, "_update", update)
+    train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"), resumed.factory)
+
+    def shapes(recorder: _Recorder) -> set[tuple[int, float]]:
+        return {(m["step"], m["batch_shapes"]) for m in recorder.metrics if "batch_shapes" in m}
+
+    assert len(shapes(whole)) == 2 and min(step for step, _ in shapes(resumed)) < 15
+    assert shapes(killed) | shapes(resumed) == shapes(whole)
 
 
 def _toy_batches(vocab_dir, multiple: int, count: int):

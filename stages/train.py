@@ -50,7 +50,7 @@ def main(
 
     params = load_params(params_path)
     if track:
-        tracking.check_reachable(tracking.tracking_uri())  # before any training work
+        tracking.prepare_store(tracking.tracking_uri())  # before any training work
     outputs = Outputs(ckpt_dir, steps, epochs, summary)
     tracker_factory = tracking.open_run if track else None
     results = train(params, vocab, outputs, tracker_factory, tokenized=tokenized, references=references)

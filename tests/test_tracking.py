@@ -40,6 +40,27 @@ def _client(store: Path):
     return MlflowClient(f"sqlite:///{store}")
 
 
+def test_a_store_whose_creation_was_stopped_midway_is_made_whole_by_the_next_run(tmp_path, monkeypatch):
+    """MLflow creates a new store's tables, then migrates them: stopped in between, nothing may be left
+    at mlflow.db for every later run to fail on, and a killed creator's temporary file goes too."""
+    import mlflow.store.db.utils as db_utils
+
+    from transformer import tracking
+
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(db_utils, "_upgrade_db", lambda engine: (_ for _ in ()).throw(KeyboardInterrupt))
+        tracking.open_run(EXPERIMENT)  # stopped with the tables made, not yet migrated
+    assert not store.exists()
+    (tmp_path / ".mlflow.db.999999999.x1y2.tmp").write_bytes(b"half")  # a SIGKILLed creator's: no such pid
+    tracker = tracking.open_run(EXPERIMENT)
+    tracker.end()
+    assert _client(store).get_run(tracker.run_id).info.status == "FINISHED"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, store):
     tracker = tracking.open_run(EXPERIMENT, run_name=tracking.run_name("train"))
     rows = [{"step": s, "loss": 1.0 / s, "lr": s * 1e-4} for s in range(1, 61)]

@@ -27,8 +27,11 @@ def tracking_uri() -> str:
     return os.environ.get(URI_ENV) or f"sqlite:///{project_root() / 'mlflow.db'}"
 
 
-def check_reachable(uri: str) -> None:
-    """Fails fast, before any training work, when a tracking server does not answer."""
+def prepare_store(uri: str) -> None:
+    """Fails fast, before any training work, when a tracking server does not answer; creates a SQLite
+    store that does not exist yet whole (_create_sqlite_store)."""
+    if uri.startswith("sqlite:///"):
+        _create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
     if not uri.startswith(("http://", "https://")):
         return
     try:
@@ -39,6 +42,43 @@ def check_reachable(uri: str) -> None:
             f"MLflow tracking server {uri} ({URI_ENV}) is unreachable: {e}. "
             f"Start it, or unset {URI_ENV} to log to {project_root() / 'mlflow.db'}"
         ) from None
+
+
+def _create_sqlite_store(path: Path) -> None:
+    """MLflow creates a new store's tables and then migrates them, in place: a kill in between leaves a
+    store every later run fails on ('table ... already exists'). So the store is made in a temporary
+    file that names this process and linked into place only once whole; a process that finds a store
+    there first keeps that one. Temporary files of processes no longer alive are removed."""
+    if path.exists():
+        return
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    for stale in path.parent.glob(f".{path.name}.*.*.tmp"):  # .mlflow.db.<pid>.<random>.tmp
+        pid = stale.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        with store_errors():
+            MlflowClient(f"sqlite:///{tmp}").search_experiments()  # creates and migrates the tables
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def git_commit() -> str | None:
@@ -61,7 +101,7 @@ def open_run(
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
-    check_reachable(uri)
+    prepare_store(uri)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     if run_id is not None and experiment and not _has_run(client, run_id):  # a resumed training's run
@@ -342,7 +382,9 @@ def _finished_run_tagged(tag: str, value: str) -> str | None:
     """The id of a finished run of any experiment whose `tag` is `value`, if the store holds one."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri())
+    uri = tracking_uri()
+    prepare_store(uri)
+    client = MlflowClient(uri)
     with store_errors():
         experiments = [e.experiment_id for e in client.search_experiments()]
         found = experiments and client.search_runs(experiments, f"tags.{tag} = '{value}' and status = 'FINISHED'")

@@ -142,10 +142,10 @@ def log_model(model_path: Path, vocab_path: Path, run_id: str, registered_name: 
     from mlflow import MlflowClient
 
     from transformer.io import sha256_file
-    from transformer.tracking import check_reachable, tracking_uri
+    from transformer.tracking import prepare_store, tracking_uri
 
     uri = tracking_uri()
-    check_reachable(uri)
+    prepare_store(uri)
     mlflow.set_tracking_uri(uri)
     files = {"model_sha256": sha256_file(model_path), "vocab_sha256": sha256_file(vocab_path)}
     for version in MlflowClient(uri).search_model_versions(f"name='{registered_name}' and run_id='{run_id}'"):

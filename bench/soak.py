@@ -76,7 +76,7 @@ def run_seconds(repo: Path) -> float:
     return (repo / "dvc.lock").stat().st_mtime - committed
 
 
-def killtree(repro: subprocess.Popen) -> list[str]:
+def kill_tree(repro: subprocess.Popen) -> list[str]:
     """SIGKILLs `dvc repro`'s process group and every process it started, in any session (torchrun's
     workers have their own); returns the stages that were running."""
     tree = [repro.pid]
@@ -109,7 +109,8 @@ def _cmdline(process: psutil.Process) -> list[str]:
 def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tuple[list[str], float | None]:
     """Runs `dvc repro` and SIGKILLs it `kills` times at uniform instants in [0, seconds]; a run that
     ends before its instant is not a kill, and ends the chain. Returns what each kill hit, as 'stage at
-    t s', and the wall time of a fresh project's run that ended before its kill, if one did."""
+    t s' (with LOCK_CUT where it left dvc.lock cut short, then recovered), and the wall time of a fresh
+    project's run that ended before its kill, if one did."""
     hit = []
     while len(hit) < kills:
         instant = rng.uniform(0, seconds)
@@ -120,9 +121,33 @@ def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tu
             if repro.returncode != 0:
                 raise click.ClickException(f"{repo}: dvc repro failed ({repro.returncode}) before its kill")
             return hit, None if hit else time.monotonic() - started
-        stages = killtree(repro)
-        hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s")
+        stages = kill_tree(repro)
+        hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s" + (LOCK_CUT if recover_lock(repo) else ""))
     return hit, None
+
+
+LOCK_CUT = ", dvc.lock cut short"
+
+
+def recover_lock(repo: Path) -> bool:
+    """DVC rewrites dvc.lock in place after each stage, so a kill inside that write leaves it cut
+    short, and every later DVC command stops on it. Where it is, does what docs/reliability.md tells
+    a user to: dvc.lock back from git where it is committed, else removed (the next `dvc repro` takes
+    the finished stages from DVC's run cache). Returns whether it was cut short."""
+    import voluptuous
+    import yaml
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA
+
+    lock = repo / "dvc.lock"
+    try:
+        COMPILED_LOCKFILE_SCHEMA(yaml.safe_load(lock.read_text(encoding="utf-8")) if lock.exists() else {})
+    except (yaml.YAMLError, voluptuous.Invalid):
+        if run(["git", "ls-files", "--error-unmatch", "dvc.lock"], repo, check=False).returncode == 0:
+            run(["git", "checkout", "--", "dvc.lock"], repo)
+        else:
+            lock.unlink()
+        return True
+    return False
 
 
 def file_differences(repo: Path, reference: Path) -> list[str]:
@@ -296,6 +321,7 @@ class Soak:
     done: int = 0
     rounds: int = 0
     failed: int = 0
+    cut_locks: int = 0
     stages: Counter = field(default_factory=Counter)
     running: dict = field(default_factory=dict)  # future -> (round number, kills planned, started)
 
@@ -322,6 +348,7 @@ class Soak:
         hit, problems, unkilled_s = future.result()
         self.done, self.rounds, self.failed = self.done + len(hit), self.rounds + 1, self.failed + bool(problems)
         self.stages.update(stage_of(h) for h in hit)
+        self.cut_locks += sum(h.endswith(LOCK_CUT) for h in hit)
         minutes = (time.monotonic() - started) / 60
         click.echo(
             f"round {number} ({minutes:.1f} min): killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True
@@ -358,10 +385,9 @@ def main(kills: int, seed: int | None, chain: int, jobs: int, work: Path, refere
     soak.run(jobs)
     click.echo(f"soak: kills by stage: {', '.join(f'{s} {n}' for s, n in soak.stages.most_common())}", err=True)
     minutes, failed = (time.monotonic() - started) / 60, soak.failed + bool(problems)
-    click.echo(
-        f"soak: {soak.done} kills in {soak.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})",
-        err=True,
-    )
+    cut = f", {soak.cut_locks} of them inside DVC's write of dvc.lock (recovered)" if soak.cut_locks else ""
+    summary = f"{soak.done} kills{cut} in {soak.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})"
+    click.echo(f"soak: {summary}", err=True)
     sys.exit(1 if failed else 0)
 
 

@@ -102,9 +102,13 @@ def free_port() -> int:
 
 
 def tool_env(**extra: str) -> dict[str, str]:
-    """A subprocess's environment: this one, with the venv's tools first on PATH and a free port for torchrun's
-    master (two tests running at once must not both take its default), then `extra`."""
-    return os.environ | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PET_MASTER_PORT": str(free_port())} | extra
+    """A subprocess's environment: this one, with the venv's tools first on PATH, this checkout's package
+    first on the import path (a venv installed from another checkout must not run its code instead), and
+    a free port for torchrun's master (two tests running at once must not both take its default), then
+    `extra`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    tools = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path}
+    return os.environ | tools | {"PET_MASTER_PORT": str(free_port())} | extra
 
 
 def run(

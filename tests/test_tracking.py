@@ -59,6 +59,9 @@ def test_a_store_whose_creation_was_stopped_midway_is_made_whole_by_the_next_run
     tracker.end()
     assert _client(store).get_run(tracker.run_id).info.status == "FINISHED"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    (tmp_path / ".mlflow.db.999999999.z3w4.tmp").write_bytes(b"whole")  # killed after linking the store
+    tracking.open_run(EXPERIMENT).end()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, store):

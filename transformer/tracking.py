@@ -48,17 +48,17 @@ def _create_sqlite_store(path: Path) -> None:
     """MLflow creates a new store's tables and then migrates them, in place: a kill in between leaves a
     store every later run fails on ('table ... already exists'). So the store is made in a temporary
     file that names this process and linked into place only once whole; a process that finds a store
-    there first keeps that one. Temporary files of processes no longer alive are removed."""
+    there first keeps that one. Temporary files of processes no longer alive go, store or no store."""
+    for stale in path.parent.glob(f".{path.name}.*.*.tmp"):  # .mlflow.db.<pid>.<random>.tmp
+        pid = stale.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     if path.exists():
         return
     import tempfile
 
     from mlflow.tracking import MlflowClient
 
-    for stale in path.parent.glob(f".{path.name}.*.*.tmp"):  # .mlflow.db.<pid>.<random>.tmp
-        pid = stale.name.split(".")[-3]
-        if pid.isdigit() and not _alive(int(pid)):
-            stale.unlink(missing_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(name)

@@ -139,8 +139,10 @@ def recover_lock(repo: Path) -> bool:
     from dvc.schema import COMPILED_LOCKFILE_SCHEMA
 
     lock = repo / "dvc.lock"
+    if not lock.exists():  # killed before its first stage ended
+        return False
     try:
-        COMPILED_LOCKFILE_SCHEMA(yaml.safe_load(lock.read_text(encoding="utf-8")) if lock.exists() else {})
+        COMPILED_LOCKFILE_SCHEMA(yaml.safe_load(lock.read_text(encoding="utf-8")))
     except (yaml.YAMLError, voluptuous.Invalid):
         if run(["git", "ls-files", "--error-unmatch", "dvc.lock"], repo, check=False).returncode == 0:
             run(["git", "checkout", "--", "dvc.lock"], repo)

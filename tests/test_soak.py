@@ -35,6 +35,7 @@ def test_a_dvc_lock_cut_short_by_a_kill_is_taken_back_from_git_or_removed(tmp_pa
     cut = whole[: whole.index("5637")]  # as a kill after DVC's first buffered write leaves it: 'size:' with no value
     lock = tmp_path / "dvc.lock"
     run(["git", "init", "-q"], tmp_path)
+    assert not recover_lock(tmp_path) and not lock.exists()  # none yet: nothing to do
     lock.write_text(whole)
     assert not recover_lock(tmp_path) and lock.read_text() == whole  # a whole one is left alone
     lock.write_text(cut)

@@ -109,7 +109,7 @@ def _cmdline(process: psutil.Process) -> list[str]:
 def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tuple[list[str], float | None]:
     """Runs `dvc repro` and SIGKILLs it `kills` times at uniform instants in [0, seconds]; a run that
     ends before its instant is not a kill, and ends the chain. Returns what each kill hit, as 'stage at
-    t s' (with LOCK_CUT where it left dvc.lock cut short, then recovered), and the wall time of a fresh
+    t s', with ', <DVC's file> cut short' where it left one so, then recovered), and the wall time of a fresh
     project's run that ended before its kill, if one did."""
     hit = []
     while len(hit) < kills:
@@ -122,11 +122,13 @@ def kill_chain(repo: Path, kills: int, seconds: float, rng: random.Random) -> tu
                 raise click.ClickException(f"{repo}: dvc repro failed ({repro.returncode}) before its kill")
             return hit, None if hit else time.monotonic() - started
         stages = kill_tree(repro)
-        hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s" + (LOCK_CUT if recover_lock(repo) else ""))
+        cut = [name for name, recover in (("dvc.lock", recover_lock), (RWLOCK, recover_rwlock)) if recover(repo)]
+        hit.append(f"{'+'.join(stages) or 'dvc'} at {instant:.1f} s" + "".join(f", {name}{CUT}" for name in cut))
     return hit, None
 
 
-LOCK_CUT = ", dvc.lock cut short"
+CUT = " cut short"
+RWLOCK = ".dvc/tmp/rwlock"
 
 
 def recover_lock(repo: Path) -> bool:
@@ -148,6 +150,21 @@ def recover_lock(repo: Path) -> bool:
             run(["git", "checkout", "--", "dvc.lock"], repo)
         else:
             lock.unlink()
+        return True
+    return False
+
+
+def recover_rwlock(repo: Path) -> bool:
+    """DVC also rewrites its registry of path locks, .dvc/tmp/rwlock, in place as a stage starts and
+    ends; cut short, every later DVC command stops on it ('JSON structure is corrupted'). Where it is,
+    removes it, as docs/reliability.md tells a user to. Returns whether it was cut short."""
+    rwlock = repo / RWLOCK
+    try:
+        json.loads(rwlock.read_text(encoding="utf-8"))  # DVC reads an empty one as corrupt too
+    except FileNotFoundError:
+        return False
+    except json.JSONDecodeError:
+        rwlock.unlink()
         return True
     return False
 
@@ -191,7 +208,7 @@ def leftovers(repo: Path) -> list[str]:
         for p in repo.rglob("*")
         if p.name.endswith((".tmp", ".old")) and ".git" not in p.parts and ".dvc" not in p.parts
     ]
-    found += _held_locks(repo / ".dvc/tmp/rwlock")
+    found += _held_locks(repo / RWLOCK)
     status = run([DVC, "status"], repo).stdout
     if "Data and pipelines are up to date" not in status:
         found.append(f"dvc status: {status.strip()}")
@@ -323,7 +340,7 @@ class Soak:
     done: int = 0
     rounds: int = 0
     failed: int = 0
-    cut_locks: int = 0
+    cut_files: int = 0
     stages: Counter = field(default_factory=Counter)
     running: dict = field(default_factory=dict)  # future -> (round number, kills planned, started)
 
@@ -350,7 +367,7 @@ class Soak:
         hit, problems, unkilled_s = future.result()
         self.done, self.rounds, self.failed = self.done + len(hit), self.rounds + 1, self.failed + bool(problems)
         self.stages.update(stage_of(h) for h in hit)
-        self.cut_locks += sum(h.endswith(LOCK_CUT) for h in hit)
+        self.cut_files += sum(CUT in h for h in hit)
         minutes = (time.monotonic() - started) / 60
         click.echo(
             f"round {number} ({minutes:.1f} min): killed in {', '.join(hit) or 'nothing (it finished first)'}", err=True
@@ -387,7 +404,7 @@ def main(kills: int, seed: int | None, chain: int, jobs: int, work: Path, refere
     soak.run(jobs)
     click.echo(f"soak: kills by stage: {', '.join(f'{s} {n}' for s, n in soak.stages.most_common())}", err=True)
     minutes, failed = (time.monotonic() - started) / 60, soak.failed + bool(problems)
-    cut = f", {soak.cut_locks} of them inside DVC's write of dvc.lock (recovered)" if soak.cut_locks else ""
+    cut = f", {soak.cut_files} of them inside DVC's writes of its own files (recovered)" if soak.cut_files else ""
     summary = f"{soak.done} kills{cut} in {soak.rounds} rounds, {failed} differing, {minutes:.0f} min (seed {seed})"
     click.echo(f"soak: {summary}", err=True)
     sys.exit(1 if failed else 0)

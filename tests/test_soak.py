@@ -45,3 +45,18 @@ def test_a_dvc_lock_cut_short_by_a_kill_is_taken_back_from_git_or_removed(tmp_pa
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "lock"], tmp_path)
     lock.write_text(cut)
     assert recover_lock(tmp_path) and lock.read_text() == whole  # committed: taken back from git
+
+
+def test_dvcs_path_lock_registry_cut_short_by_a_kill_is_removed(tmp_path):
+    """A kill as DVC rewrites .dvc/tmp/rwlock leaves it empty or cut; DVC then refuses every command."""
+    from bench.soak import RWLOCK, recover_rwlock
+
+    rwlock = tmp_path / RWLOCK
+    assert not recover_rwlock(tmp_path)  # none: nothing to do
+    rwlock.parent.mkdir(parents=True)
+    whole = '{"read": {}, "write": {}}'
+    rwlock.write_text(whole)
+    assert not recover_rwlock(tmp_path) and rwlock.read_text() == whole
+    for cut in ("", whole[:12]):
+        rwlock.write_text(cut)
+        assert recover_rwlock(tmp_path) and not rwlock.exists()

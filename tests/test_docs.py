@@ -36,6 +36,7 @@ SHELL_TOOLS = {
     "sha256sum",
     "mkdir",
     "cp",
+    "rm",
 }
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
 STAGES = set(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])

@@ -142,12 +142,10 @@ class RunRecord:
         )
 
     def count_shapes(self, shapes: int) -> None:
-        """The epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update
-        (a run resumed inside the epoch logs the same value at the same step again)."""
+        """The epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
         self.batch_shapes[self.progress.epoch + 1] = shapes
-        if self.tracker:
-            first = self.progress.step - self.progress.step_in_epoch + 1
-            self.tracker.log_metrics({"batch_shapes": shapes}, first)
+        if self.tracker:  # that step also when resumed inside the epoch: one value a step
+            self.tracker.log_metrics({"batch_shapes": shapes}, self.progress.step - self.progress.step_in_epoch + 1)
 
     def updated(self, update: Stepped, wait_s: float) -> None:
         """An update done; `wait_s`: the time the loop waited for its batches."""

@@ -22,11 +22,14 @@ def test_a_training_killed_before_its_first_checkpoint_continues_its_mlflow_run(
     cmd = [sys.executable] + train_cmd(write_params(tmp_path, **{"train.epochs": 2}), vocab_dir, tmp_path / "out")
     cmd[cmd.index("--no-track")] = "--track"
     env = {"MLFLOW_TRACKING_URI": store}
-    job = subprocess.Popen(cmd, cwd=ROOT, env=tool_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client, deadline = MlflowClient(store), time.monotonic() + 600
+    log = tmp_path / "train.log"
+    with log.open("w") as stderr:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=tool_env(**env), stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + 600
     try:
         while not (tmp_path / "out" / "ckpt" / OPENED).exists():  # its MLflow run is open, nothing checkpointed
-            assert job.poll() is None and time.monotonic() < deadline, "the training ended before it was seen"
+            ended = job.poll() is not None or time.monotonic() > deadline
+            assert not ended, f"the training ended before it was seen:\n{log.read_text()[-3000:]}"
             time.sleep(0.1)
         job.send_signal(signal.SIGKILL)
         job.wait()
@@ -34,6 +37,9 @@ def test_a_training_killed_before_its_first_checkpoint_continues_its_mlflow_run(
         if job.poll() is None:
             job.kill()
     assert not checkpoints.listed(tmp_path / "out" / "ckpt"), "the kill came after the first checkpoint"
+    # Only now: a client creates a missing store in place, which a training starting beside it would
+    # find half made.
+    client = MlflowClient(store)
     (opened,) = _runs(client)
     run(cmd, ROOT, env=env, timeout=900)
     (finished,) = _runs(client)

@@ -3,9 +3,13 @@ training's, corpus files as dataset inputs, the UI's runs table."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
+import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +66,41 @@ def test_a_store_whose_creation_was_stopped_midway_is_made_whole_by_the_next_run
     (tmp_path / ".mlflow.db.999999999.z3w4.tmp").write_bytes(b"whole")  # killed after linking the store
     tracking.open_run(EXPERIMENT).end()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_store_another_client_is_making_in_place_is_waited_for_and_an_old_one_is_not(tmp_path, monkeypatch):
+    """`mlflow ui` or a notebook makes a missing store in place; a run starting meanwhile must wait for
+    the migrations instead of failing on them; an old store nothing writes is not waited for."""
+    import mlflow.store.db.utils as db_utils
+    import sqlalchemy
+
+    from transformer import tracking
+
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(db_utils, "_upgrade_db", lambda engine: (_ for _ in ()).throw(KeyboardInterrupt))
+        _client(store).search_experiments()  # the other client: tables made in place, not yet migrated
+    migrate = threading.Timer(1.0, db_utils._upgrade_db, [sqlalchemy.create_engine(f"sqlite:///{store}")])
+    migrate.start()
+    try:
+        tracker = tracking.open_run(EXPERIMENT)
+    finally:
+        migrate.join()
+    tracker.end()
+    assert _client(store).get_run(tracker.run_id).info.status == "FINISHED"
+
+    old = tmp_path / "old" / "mlflow.db"  # a store of an older MLflow, nothing writing it
+    old.parent.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{old}")
+    _client(old).search_experiments()
+    with contextlib.closing(sqlite3.connect(old)) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '0584bdc529eb'")
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    started = time.monotonic()
+    tracking.open_run(EXPERIMENT).end()  # MLflow's to judge
+    assert time.monotonic() - started < 20, "waited for a store nothing was writing"
 
 
 def test_rows_logged_asynchronously_are_all_stored_when_the_run_ends(tracking, store):

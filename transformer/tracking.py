@@ -29,9 +29,12 @@ def tracking_uri() -> str:
 
 def prepare_store(uri: str) -> None:
     """Fails fast, before any training work, when a tracking server does not answer; creates a SQLite
-    store that does not exist yet whole (_create_sqlite_store)."""
+    store that does not exist yet whole (_create_sqlite_store), and waits for one that another process
+    is making (_wait_while_made)."""
     if uri.startswith("sqlite:///"):
-        _create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
+        path = Path(uri.removeprefix("sqlite:///"))
+        _create_sqlite_store(path)
+        _wait_while_made(path)
     if not uri.startswith(("http://", "https://")):
         return
     try:
@@ -69,6 +72,29 @@ def _create_sqlite_store(path: Path) -> None:
             os.link(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _wait_while_made(path: Path, quiet_s: float = 2.0, limit_s: float = 60.0) -> None:
+    """Any other MLflow client (`mlflow ui`, a notebook) makes a missing store in place, over a second
+    or two; a run that opens it meanwhile fails on the migrations half done. So until the store's
+    schema is MLflow's latest, wait while something still writes it; a store nothing has written for
+    quiet_s is left to MLflow, which says what is wrong with it (an old schema to upgrade)."""
+    import sqlite3
+    import time
+
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    latest, deadline = _get_latest_schema_revision(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as db:
+                if db.execute("SELECT version_num FROM alembic_version").fetchone() == (latest,):
+                    return
+        except sqlite3.Error:  # no alembic_version yet, or locked by the writer
+            pass
+        if time.time() - path.stat().st_mtime > quiet_s:
+            return
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

@@ -90,6 +90,9 @@ def test_a_store_another_client_is_making_in_place_is_waited_for_and_an_old_one_
         migrate.join()
     tracker.end()
     assert _client(store).get_run(tracker.run_id).info.status == "FINISHED"
+    started = time.monotonic()
+    tracking.prepare_store(f"sqlite:///{store}")  # whole, just written: no wait
+    assert time.monotonic() - started < 1, "waited for a whole store"
 
     old = tmp_path / "old" / "mlflow.db"  # a store of an older MLflow, nothing writing it
     old.parent.mkdir()

@@ -78,7 +78,7 @@ def _wait_while_made(path: Path, quiet_s: float = 2.0, limit_s: float = 60.0) ->
     """Any other MLflow client (`mlflow ui`, a notebook) makes a missing store in place, over a second
     or two; a run that opens it meanwhile fails on the migrations half done. So until the store's
     schema is MLflow's latest, wait while something still writes it; a store nothing has written for
-    quiet_s is left to MLflow, which says what is wrong with it (an old schema to upgrade)."""
+    quiet_s (an older MLflow's) is left to MLflow to open or refuse."""
     import sqlite3
     import time
 
@@ -87,7 +87,7 @@ def _wait_while_made(path: Path, quiet_s: float = 2.0, limit_s: float = 60.0) ->
     latest, deadline = _get_latest_schema_revision(), time.monotonic() + limit_s
     while time.monotonic() < deadline:
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as db:
+            with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1)) as db:
                 if db.execute("SELECT version_num FROM alembic_version").fetchone() == (latest,):
                     return
         except sqlite3.Error:  # no alembic_version yet, or locked by the writer

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -58,8 +61,6 @@ def _create_sqlite_store(path: Path) -> None:
             stale.unlink(missing_ok=True)
     if path.exists():
         return
-    import tempfile
-
     from mlflow.tracking import MlflowClient
 
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
@@ -79,9 +80,6 @@ def _wait_while_made(path: Path, quiet_s: float = 2.0, limit_s: float = 60.0) ->
     or two; a run that opens it meanwhile fails on the migrations half done. So until the store's
     schema is MLflow's latest, wait while something still writes it; a store nothing has written for
     quiet_s (an older MLflow's) is left to MLflow to open or refuse."""
-    import sqlite3
-    import time
-
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     latest, deadline = _get_latest_schema_revision(), time.monotonic() + limit_s
@@ -229,8 +227,6 @@ class Tracker:
 
     def log_rows(self, rows: list[dict[str, float]]) -> None:
         """Rows of metrics, each with its "step", as one batch that MLflow sends asynchronously."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

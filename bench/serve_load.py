@@ -4,17 +4,17 @@ a share of bad requests among the good ones.
 Run from the repository root, with a pyfunc model (a directory, or any URI `mlflow models serve -m`
 takes, such as models:/transformer-multi30k-de-en/1):
 
-    python -m bench.serve_load --model <model> [--requests 2000] [--clients 8] [--bad 0.1] \\
+    python -m bench.serve_load --model <model> [--requests 2000] [--clients 1,8,32] [--bad 0.1] \\
         [--out reports/serve_load.json]
 
-Each client keeps one HTTP connection and sends its share of the requests one after another. A good
-request holds one to four sentences and must come back 200 with one translation a sentence, the same
-each time it is sent. A bad one (not JSON, not UTF-8, a number for a sentence, no sentences, too many,
-a sentence longer than the model takes, 20,000 characters of it) must come back 4xx with one message
-of at most MESSAGE_LIMIT characters that holds no 200 characters of the request. It reports latency
-percentiles of each kind, throughput, and the server's resident memory (its processes together) after
-start-up and at the end; it exits 1 if any request failed.
-"""
+One server serves a round of `--requests` requests for each client count in turn. Each client keeps
+one HTTP connection and sends its share of the round's requests one after another. A good request
+holds one to four sentences and must come back 200 with one translation a sentence, the same each
+time it is sent. A bad one (not JSON, not UTF-8, a number for a sentence, no sentences, too many, a
+sentence longer than the model takes, 20,000 characters of it) must come back 4xx with one message
+of at most MESSAGE_LIMIT characters that holds no 200 characters of the request. Each round reports
+latency percentiles of each kind, requests and sentences translated a second, and the server's
+resident memory (its processes together) at its start and end; it exits 1 if any request failed."""
 
 from __future__ import annotations
 
@@ -178,10 +178,11 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 def load(port: int, server: subprocess.Popen, requests: list, clients: int, timeout: float) -> dict:
-    """Sends `requests` over `clients` connections at once; the report."""
+    """Sends `requests` over `clients` connections at once; the round's report."""
     seen: dict[bytes, list[str]] = {}
     _client(port, [(None, json.dumps({"inputs": SENTENCES}).encode())], seen, timeout)  # the first is slow
     rss_start = _rss_mb(server)
+    sentences = sum(len(json.loads(body)["inputs"]) for kind, body in requests if kind is None)
     shares = [requests[i::clients] for i in range(clients)]
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -201,6 +202,7 @@ def load(port: int, server: subprocess.Popen, requests: list, clients: int, time
         "good_ms": _percentiles([a.ms for a in good]),
         "bad_ms": _percentiles([a.ms for a in bad]),
         "requests_per_s": round(len(answers) / wall, 1),
+        "sentences_per_s": round(sentences / wall, 1),  # of the good requests
         "wall_s": round(wall, 1),
         "server_rss_mb": {"start": rss_start, "end": _rss_mb(server)},
     }
@@ -208,31 +210,41 @@ def load(port: int, server: subprocess.Popen, requests: list, clients: int, time
 
 @click.command()
 @click.option("--model", required=True, help="what `mlflow models serve -m` takes: a pyfunc directory, a models:/ URI")
-@click.option("--requests", "n", default=2000, show_default=True)
-@click.option("--clients", default=8, show_default=True, help="concurrent connections")
+@click.option("--requests", "n", default=2000, show_default=True, help="requests a round")
+@click.option("--clients", default="8", show_default=True, help="concurrent connections; a round each: 1,8,32")
 @click.option("--bad", "bad_share", default=0.1, show_default=True, help="share of bad requests")
 @click.option("--workers", default=1, show_default=True, help="the server's worker processes")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--timeout", default=120.0, show_default=True, help="seconds a client waits for an answer")
 @click.option("--out", type=click.Path(path_type=Path), help="the report (JSON); printed either way")
-def main(model: str, n: int, clients: int, bad_share: float, workers: int, seed: int, timeout: float, out: Path | None):
+def main(model: str, n: int, clients: str, bad_share: float, workers: int, seed: int, timeout: float, out: Path | None):
     from transformer.io import write_json
 
+    counts = _counts(clients)
     port = _free_port()
     log = (out.parent if out else Path(tempfile.mkdtemp())) / "serve_load.log"  # the server's output
     log.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(model, port, workers, log)
     try:
-        report = {"model": model, "workers": workers, "seed": seed} | load(
-            port, server, _requests(n, bad_share, seed), clients, timeout
-        )
+        rounds = [load(port, server, _requests(n, bad_share, seed), count, timeout) for count in counts]
     finally:
         stop_server(server)
+    report = {"model": model, "workers": workers, "seed": seed, "rounds": rounds}
     click.echo(json.dumps(report, indent=2))
     if out:
         write_json(out, report)
-    if report["good_failed"] or report["bad_failed"]:
+    if any(r["good_failed"] or r["bad_failed"] for r in rounds):
         sys.exit(1)
+
+
+def _counts(clients: str) -> list[int]:
+    try:
+        counts = [int(c) for c in clients.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"{clients!r}: expected client counts >= 1, such as 1,8,32", param_hint="--clients")
+    return counts
 
 
 def _free_port() -> int:

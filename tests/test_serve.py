@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -219,8 +220,9 @@ def test_served_model_answers_as_the_cli_and_each_bad_request_with_the_documente
 
 @pytest.mark.slow
 def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_cleanly(model_and_vocab, tmp_path):
-    """bench/serve_load.py, short: 300 requests from 8 clients at once, a tenth of them bad, to a model
-    whose translations end two tokens past the source (an untrained one runs to its length bound)."""
+    """bench/serve_load.py, short: rounds of 120 requests from 1, 8 and 32 clients at once, a tenth of
+    them bad, to a model whose translations end two tokens past the source (an untrained one runs to
+    its length bound)."""
     from transformer.data.vocab import load_vocabs
     from transformer.serving.serving import save_model
 
@@ -228,12 +230,14 @@ def test_under_load_every_good_request_is_translated_and_every_bad_one_refused_c
     model, vocab = _save_model(tmp_path, src, tgt, max_len_extra=2)
     save_model(model, vocab, tmp_path / "pyfunc")
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "bench.serve_load", "--model", str(tmp_path / "pyfunc"), "--requests", "300"]
-    run([*cmd, "--clients", "8", "--out", str(out)], ROOT, timeout=900)
-    report = json.loads(out.read_text())
-    assert (report["requests"], report["clients"]) == (300, 8) and report["bad"] >= 15, report
-    assert report["good_failed"] == report["bad_failed"] == 0, report["problems"]
-    assert min(report["server_rss_mb"].values()) > 100  # MiB: torch alone takes more
+    cmd = [sys.executable, "-m", "bench.serve_load", "--model", str(tmp_path / "pyfunc"), "--requests", "120"]
+    run([*cmd, "--clients", "1,8,32", "--out", str(out)], ROOT, timeout=900)
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [(r["requests"], r["clients"]) for r in rounds] == [(120, 1), (120, 8), (120, 32)], rounds
+    for r in rounds:
+        assert r["good_failed"] == r["bad_failed"] == 0 and r["bad"] >= 6, r["problems"]
+        assert r["sentences_per_s"] > r["requests_per_s"] * (r["good"] / r["requests"]), r  # 1 to 4 a request
+        assert min(r["server_rss_mb"].values()) > 100  # MiB: torch alone takes more
 
 
 def test_an_export_rerun_after_registering_adds_no_second_version_of_the_same_model(model_and_vocab, tmp_path):
@@ -256,3 +260,100 @@ def test_an_export_rerun_after_registering_adds_no_second_version_of_the_same_mo
         versions = MlflowClient(store).search_model_versions("name='toy-model'")
     assert again == first and sorted(int(v.version) for v in versions) == [1, 2]
     assert {v.run_id for v in versions} == {run_id}
+
+
+GOOD_REQUESTS = [
+    ["zwei Männer spielen Fußball", "ein Kind"],
+    ["eine Frau liest ein Buch", "ein Hund", "Buch"],
+    ["Kind"],
+]
+TOO_LONG = [" ".join(["Hund"] * 101)]  # tokenize.max_len is 100
+
+
+def _held(served, requests: int) -> list[list[str]]:
+    """Holds the served model's first search until `requests` more requests wait behind it, and
+    records the (tokenized) lines of every search."""
+    searches, search = [], served.batcher.translate
+
+    def held(lines: list[str], timeout: float) -> list[str]:
+        searches.append(lines)
+        until = time.monotonic() + 120
+        while len(searches) == 1 and served.batcher.waiting < requests:
+            assert time.monotonic() < until, f"{served.batcher.waiting} requests wait, not {requests}"
+            time.sleep(0.01)
+        return search(lines, timeout)
+
+    served.batcher.translate = held
+    return searches
+
+
+@pytest.mark.parametrize("beam", [2, 1])
+def test_concurrent_requests_share_a_search_and_each_gets_what_the_translator_gives_it_alone(
+    beam, model_and_vocab, tmp_path
+):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from transformer import Translator
+    from transformer.data.vocab import load_vocabs
+    from transformer.serving.serving import save_model
+
+    model, vocab = _save_model(tmp_path, *load_vocabs(model_and_vocab[1].parent), beam=beam)
+    save_model(model, vocab, tmp_path / "pyfunc")
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "pyfunc"))
+    searches = _held(loaded.unwrap_python_model(), requests=len(GOOD_REQUESTS))
+    with ThreadPoolExecutor(len(GOOD_REQUESTS) + 2) as pool:
+        first = pool.submit(loaded.predict, SENTENCES)
+        while not searches:
+            time.sleep(0.01)
+        answers = [pool.submit(loaded.predict, lines) for lines in (*GOOD_REQUESTS, TOO_LONG)]
+        with pytest.raises(MlflowException, match=r"inputs\[0\]: 101 tokens") as refused:
+            answers.pop().result()  # a bad request among good ones fails alone, before any search
+        answers = [first.result(), *(a.result() for a in answers)]
+    translator = Translator.load(model, device="cpu")
+    assert answers == [translator.translate(lines) for lines in (SENTENCES, *GOOD_REQUESTS)]
+    together = [line for lines in GOOD_REQUESTS for line in lines]
+    assert searches == [translator.tokenize(SENTENCES), translator.tokenize(together)]
+    assert refused.value.get_http_status_code() == 400
+
+
+def test_a_failed_search_fails_its_requests_with_a_server_error_and_the_next_requests_are_served(pyfunc_dir):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    loaded = mlflow.pyfunc.load_model(str(pyfunc_dir))
+    served = loaded.unwrap_python_model()
+    searches, search = _held(served, requests=len(GOOD_REQUESTS)), served.batcher.translate
+
+    def failing_second(lines: list[str], timeout: float) -> list[str]:
+        found = search(lines, timeout)  # records, and holds the first search until the others wait
+        if len(searches) == 2:
+            raise RuntimeError("out of memory")
+        return found
+
+    served.batcher.translate = failing_second
+    with ThreadPoolExecutor(len(GOOD_REQUESTS) + 1) as pool:
+        first = pool.submit(loaded.predict, SENTENCES[:1])
+        while not searches:
+            time.sleep(0.01)
+        failed = [pool.submit(loaded.predict, lines) for lines in GOOD_REQUESTS]
+        assert len(first.result()) == 1
+        for answer in failed:
+            with pytest.raises(MlflowException, match="translation failed: RuntimeError: out of memory") as error:
+                answer.result()
+            assert error.value.get_http_status_code() == 500
+    assert len(searches) == 2
+    assert loaded.predict(SENTENCES) == mlflow.pyfunc.load_model(str(pyfunc_dir)).predict(SENTENCES)
+
+
+def test_a_lone_request_is_not_held_for_the_window_and_a_bad_setting_is_named(pyfunc_dir, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("TRANSFORMER_SERVE_WINDOW_MS", "60000")
+    loaded = mlflow.pyfunc.load_model(str(pyfunc_dir))
+    started = time.monotonic()
+    loaded.predict(SENTENCES)
+    assert time.monotonic() - started < 10  # a window's wait would be 60 s
+    monkeypatch.setenv("TRANSFORMER_SERVE_BATCH_TOKENS", "0")
+    with pytest.raises(ValueError, match="TRANSFORMER_SERVE_BATCH_TOKENS = '0': expected a whole number >= 1"):
+        mlflow.pyfunc.load_model(str(pyfunc_dir))

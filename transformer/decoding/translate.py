@@ -87,7 +87,12 @@ class Translator:
 
     def tokenize(self, raw_lines: list[str]) -> list[str]:
         """Raw lines split into the words the source vocabulary encodes (see transformer.data.tokenize)."""
-        return list(Tokenizer(self.params["data"]["src_lang"]).pipe(raw_lines))
+        return list(self._tokenizer.pipe(raw_lines))
+
+    @functools.cached_property
+    def _tokenizer(self) -> Tokenizer:
+        """Built once: spaCy's rules take tens of milliseconds to load, more than a short request's search."""
+        return Tokenizer(self.params["data"]["src_lang"])
 
     def translate_tokenized(self, lines: list[str], **search) -> list[str]:
         """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""

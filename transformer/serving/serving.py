@@ -14,16 +14,28 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from transformer.serving.batcher import Batcher
+
 # What one request may cost. MLflow reads the body whole before predict sees it (it has no cap on its
 # size: put one in a proxy in front), so these bound what is done with it; time is MLflow's --timeout.
 MAX_SENTENCES = 1000  # more is a batch job (transformer translate), not a request
 MAX_CHARACTERS = 1_000_000  # of all sentences together, counted before the tokenizer reads them
 MESSAGE_LIMIT = 240  # characters of an error's message: its start and its end, which say what was wrong
+# How the server batches requests (see Batcher), set in its environment: the environment is what
+# `mlflow models serve` hands a deployer.
+WINDOW_MS = "TRANSFORMER_SERVE_WINDOW_MS"  # how long a search waits for requests still being prepared
+BATCH_TOKENS = "TRANSFORMER_SERVE_BATCH_TOKENS"  # source tokens a search takes, at most (beyond one request)
+THREADS = "TRANSFORMER_SERVE_THREADS"  # torch's threads in a server process; unset: torch's default
 EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
 
 class TranslationModel(mlflow.pyfunc.PythonModel):
     """A list of sentences in, a list of translations out."""
+
+    def __getstate__(self) -> dict:
+        """Nothing to pickle: load_context builds everything from the artifacts, and MLflow, which
+        runs the input example before it pickles the model, would otherwise meet a running thread."""
+        return {}
 
     def load_context(self, context) -> None:
         from transformer.data.vocab import load_vocabs
@@ -33,29 +45,50 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
+        decode = self.translator.params["decode"]
+        window, max_tokens, threads = _batching(default_tokens=decode["batch_tokens"] // decode["beam"])
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)  # once, for the process: one search runs at a time
+        self.batcher = Batcher(self._translate, window=window, max_tokens=max_tokens)
+
+    def _translate(self, lines: list[str], timeout: float) -> list[str]:
+        return self.translator.translate_tokenized(lines, timeout=timeout)
 
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
-        """MLflow reads the signature from these type hints and refuses other input with a 400. Decoding
-        stops MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT seconds after predict began: the server has
-        answered 504 by then, and without this the worker would go on translating for no one."""
+        """MLflow reads the signature from these type hints and refuses other input with a 400. The
+        sentences are translated together with those of the requests in the server at the same time
+        (see Batcher). Decoding stops MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT seconds after predict
+        began: the server has answered 504 by then, and without this the worker would go on
+        translating for no one."""
         from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
-        from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED
+        from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR
 
         started, limit = time.monotonic(), MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get()
-        tokenized = self.translator.tokenize(_sentences(model_input))
-        longest = self.translator.params["tokenize"]["max_len"]
+        with self.batcher.arrival() as hand_over:
+            tokenized = self.translator.tokenize(_sentences(model_input))
+            answer = hand_over(tokenized, tokens=self._source_tokens(tokenized), deadline=started + limit)
+        try:
+            return answer.result()
+        except TimeoutError:
+            why = f"translation stopped after {limit} s ({MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name})"
+            logging.getLogger(__name__).warning(why)  # in the server, the 504 has gone out already
+            raise MlflowException(why, error_code=DEADLINE_EXCEEDED) from None
+        except Exception as e:  # the search failed: the server's fault, not the request's
+            raise MlflowException(f"translation failed: {type(e).__name__}: {e}", error_code=INTERNAL_ERROR) from e
+
+    def _source_tokens(self, tokenized: list[str]) -> int:
+        """The request's source tokens, or a 400 naming the first sentence longer than the model takes."""
+        longest, total = self.translator.params["tokenize"]["max_len"], 0
         for i, line in enumerate(tokenized):
             tokens = len(self.translator.src_vocab.encode(line))  # as decoding sees them, less </s>
             if tokens > longest:
                 raise MlflowException.invalid_parameter_value(
                     f"inputs[{i}]: {tokens} tokens, more than the model takes (tokenize.max_len = {longest})"
                 )
-        try:
-            return self.translator.translate_tokenized(tokenized, timeout=limit - (time.monotonic() - started))
-        except TimeoutError:
-            why = f"translation stopped after {limit} s ({MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.name})"
-            logging.getLogger(__name__).warning(why)  # in the server, the 504 has gone out already
-            raise MlflowException(why, error_code=DEADLINE_EXCEEDED) from None
+            total += tokens + 1
+        return total
 
 
 def clipped(message: str) -> str:
@@ -94,6 +127,21 @@ def _clip_server_errors() -> None:
 
     clipping.clips_errors = True
     server.invocations = clipping
+
+
+def _batching(default_tokens: int) -> tuple[float, int, int]:
+    """The window (seconds), the cap of a search's source tokens and torch's threads (0: torch's
+    default), from the server's environment; a value that is not a whole number in range stops the
+    model's loading with a message naming its variable."""
+    import os
+
+    def read(name: str, default: int, least: int) -> int:
+        text = os.environ.get(name, str(default))
+        if not text.strip().isdigit() or int(text) < least:
+            raise ValueError(f"{name} = {text!r}: expected a whole number >= {least}")
+        return int(text)
+
+    return read(WINDOW_MS, 10, 0) / 1000, read(BATCH_TOKENS, max(1, default_tokens), 1), read(THREADS, 0, 0)
 
 
 def _sentences(model_input: list[str]) -> list[str]:

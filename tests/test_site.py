@@ -1,6 +1,7 @@
 """The documentation site builds with every internal link checked (mkdocs --strict), and reads offline:
 no page loads a script, a style or a font from the network, the math is MathML, the API page is
-generated from the docstrings and every figure a page shows is in the site."""
+generated from the docstrings, every figure a page shows is in the site, and no heading falls
+into a table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,36 @@ def test_the_api_page_is_generated_from_the_docstrings(site):
     for name in ("Translator", "translate", "load", "save_model", "ctranslate2_translate"):
         assert name in html
     assert "Raw text in, raw text out." in html  # Translator.translate's docstring
+
+
+class _CellText(HTMLParser):
+    """Collects what sits inside table cells: the headings opened there and the cells' text."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.headings, self.texts = 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("td", "th"):
+            self.depth += 1
+            self.texts.append("")
+        elif self.depth and re.fullmatch(r"h[1-6]", tag):
+            self.headings.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self.depth:
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if self.depth:
+            self.texts[-1] += data
+
+
+def test_no_heading_is_swallowed_by_a_table(site):
+    """A Markdown table needs a blank line after it, or the next line (a heading too) becomes a row."""
+    for page in site.rglob("*.html"):
+        cells = _CellText()
+        cells.feed(page.read_text())
+        assert not cells.headings, f"{page.relative_to(site)}: a {cells.headings[0]} in a table cell"
+        swallowed = [text for text in cells.texts if re.match(r"\s*#{1,6} ", text)]
+        assert not swallowed, f"{page.relative_to(site)}: a heading read as a table row: {swallowed[0]!r}"

@@ -58,6 +58,15 @@ def test_the_api_page_is_generated_from_the_docstrings(site):
     assert "Raw text in, raw text out." in html  # Translator.translate's docstring
 
 
+def test_the_api_page_shows_special_tokens_and_the_tokenizer_and_translation_fields(site):
+    """A docstring's `</s>` written bare is taken by the browser for a closing tag and vanishes."""
+    html = (site / "reference" / "index.html").read_text()
+    assert "</s>" not in html and "&lt;/s&gt;" in html
+    text = re.sub(r"<[^>]+>", "", html)
+    assert "spaCy's rule-based tokenizer" in text  # Tokenizer's docstring
+    assert "the translation as raw text" in text.lower() and "score: float" in text  # Translation's fields
+
+
 class _CellText(HTMLParser):
     """Collects what sits inside table cells: the headings opened there and the cells' text."""
 

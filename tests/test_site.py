@@ -98,3 +98,15 @@ def test_no_heading_is_swallowed_by_a_table(site):
         assert not cells.headings, f"{page.relative_to(site)}: a {cells.headings[0]} in a table cell"
         swallowed = [text for text in cells.texts if re.match(r"\s*#{1,6} ", text)]
         assert not swallowed, f"{page.relative_to(site)}: a heading read as a table row: {swallowed[0]!r}"
+
+
+def test_the_annotated_pages_code_and_output_wrap_at_the_column(site):
+    """Its lines are wider than the column; they wrap (extra.css) rather than scroll out of sight."""
+    html = (site / "annotated" / "index.html").read_text()
+    css = re.search(r'<link[^>]+href="([^"]*extra\.css)"', html)
+    assert css, "the annotated page does not link extra.css"
+    rules = (site / "annotated" / css.group(1)).resolve().read_text()
+    rule = re.search(r"\.wrap-code pre > code\s*\{([^}]*)\}", rules)
+    assert rule and "white-space: pre-wrap" in rule.group(1) and "overflow-wrap: anywhere" in rule.group(1)
+    content = html[html.index('<div class="wrap-code">') :]
+    assert content.count("<pre") == html.count("<pre") > 0, "a code block outside the wrapped part"

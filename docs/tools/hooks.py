@@ -5,7 +5,10 @@ browsers draw MathML themselves, so the site needs no MathJax, no font and no ne
 
 Figures: the pipeline's committed figures live in reports/figures/, outside docs/; a page links them
 as ../reports/figures/NAME.png (which is right on a repository browser too), and the site carries a
-copy of each at reports/figures/NAME.png."""
+copy of each at reports/figures/NAME.png.
+
+Wrapped code: the annotated model's code and output are read beside the text, so their long lines
+wrap at the column (extra.css's .wrap-code) instead of scrolling out of sight."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from latex2mathml.converter import convert
 from mkdocs.structure.files import File, Files, InclusionLevel
 
 FIGURES = Path("reports/figures")  # from the repository root, mkdocs.yml's folder
+WRAPPED_CODE = {"annotated.md"}
 _MATH = re.compile(r'<(span|div) class="arithmatex">\s*\\([(\[])(.*?)\\[)\]]\s*</\1>', re.DOTALL)
 
 
@@ -25,8 +29,11 @@ def _mathml(match: re.Match) -> str:
     return convert(html.unescape(match.group(3)), display=display)
 
 
-def on_page_content(html_text: str, **_) -> str:
-    return _MATH.sub(_mathml, html_text)
+def on_page_content(html_text: str, page, **_) -> str:
+    html_text = _MATH.sub(_mathml, html_text)
+    if page.file.src_uri in WRAPPED_CODE:
+        html_text = f'<div class="wrap-code">\n{html_text}\n</div>'
+    return html_text
 
 
 def on_files(files: Files, config) -> Files:

@@ -1,7 +1,7 @@
 """The documentation site builds with every internal link checked (mkdocs --strict), and reads offline:
 no page loads a script, a style or a font from the network, the math is MathML, the API page is
-generated from the docstrings, every figure a page shows is in the site, and no heading falls
-into a table."""
+generated from the docstrings, every figure a page shows is in the site, no heading falls into a
+table, and the tokenizer's joiner has a glyph."""
 
 from __future__ import annotations
 
@@ -110,3 +110,18 @@ def test_the_annotated_pages_code_and_output_wrap_at_the_column(site):
     assert rule and "white-space: pre-wrap" in rule.group(1) and "overflow-wrap: anywhere" in rule.group(1)
     content = html[html.index('<div class="wrap-code">') :]
     assert content.count("<pre") == html.count("<pre") > 0, "a code block outside the wrapped part"
+
+
+def test_the_joiner_has_a_glyph_in_the_sites_own_font(site):
+    """Most Latin fonts lack ￭ (U+FFED) and draw a box: the site's font stack starts with one that has it."""
+    from fontTools.ttLib import TTFont
+
+    from transformer.data.tokenize import JOINER
+
+    css = (site / "extra.css").read_text()
+    face = re.search(r"@font-face\s*\{([^}]*)\}", css).group(1)
+    font = re.search(r'src: url\("([^"]+)"\)', face).group(1)
+    assert f"unicode-range: U+{ord(JOINER):04X}" in face
+    assert ord(JOINER) in TTFont(site / font).getBestCmap()
+    family = re.search(r'font-family: ("[^"]+")', face).group(1)
+    assert f"--md-text-font: {family}" in css and f"--md-code-font: {family}" in css

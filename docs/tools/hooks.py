@@ -8,11 +8,16 @@ as ../reports/figures/NAME.png (which is right on a repository browser too), and
 copy of each at reports/figures/NAME.png.
 
 Wrapped code: the annotated model's code and output are read beside the text, so their long lines
-wrap at the column (extra.css's .wrap-code) instead of scrolling out of sight."""
+wrap at the column (extra.css's .wrap-code) instead of scrolling out of sight.
+
+The joiner: the tokenizer's mark ￭ (U+FFED) is missing from most Latin fonts, which draw a box in
+its place, so the site carries a font of that one glyph, drawn here, that extra.css puts first in
+the text and code font stacks."""
 
 from __future__ import annotations
 
 import html
+import io
 import re
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from mkdocs.structure.files import File, Files, InclusionLevel
 
 FIGURES = Path("reports/figures")  # from the repository root, mkdocs.yml's folder
 WRAPPED_CODE = {"annotated.md"}
+JOINER_FONT = "joiner.ttf"  # extra.css's @font-face names it
 _MATH = re.compile(r'<(span|div) class="arithmatex">\s*\\([(\[])(.*?)\\[)\]]\s*</\1>', re.DOTALL)
 
 
@@ -43,4 +49,32 @@ def on_files(files: Files, config) -> Files:
         # Included outright: mkdocs would take a path starting with "." for a hidden file and leave it out.
         site = (config["docs_dir"], config["site_dir"], config["use_directory_urls"])
         files.append(File(f"../{uri}", *site, dest_uri=uri, inclusion=InclusionLevel.INCLUDED))
+    files.append(File.generated(config, JOINER_FONT, content=_joiner_font()))
     return files
+
+
+def _joiner_font() -> bytes:
+    """A TrueType font of one glyph, the joiner ￭: a square at the height of a lowercase letter,
+    in a cell as wide as a monospace font's, so code keeps its columns."""
+    from fontTools.fontBuilder import FontBuilder
+    from fontTools.pens.ttGlyphPen import TTGlyphPen
+
+    from transformer.data.tokenize import JOINER
+
+    square = TTGlyphPen(None)
+    square.moveTo((120, 120))
+    for corner in [(120, 480), (480, 480), (480, 120)]:
+        square.lineTo(corner)
+    square.closePath()
+    font = FontBuilder(1000, isTTF=True)
+    font.setupGlyphOrder([".notdef", "joiner"])
+    font.setupCharacterMap({ord(JOINER): "joiner"})
+    font.setupGlyf({".notdef": TTGlyphPen(None).glyph(), "joiner": square.glyph()})
+    font.setupHorizontalMetrics({".notdef": (600, 0), "joiner": (600, 120)})
+    font.setupHorizontalHeader(ascent=800, descent=-200)
+    font.setupNameTable({"familyName": "Joiner", "styleName": "Regular"})
+    font.setupOS2(sTypoAscender=800, sTypoDescender=-200, usWinAscent=800, usWinDescent=200)
+    font.setupPost()
+    out = io.BytesIO()
+    font.save(out)
+    return out.getvalue()

@@ -36,8 +36,23 @@ def site(tmp_path_factory) -> Path:
 def test_no_page_loads_anything_from_the_network(site):
     for page in site.rglob("*.html"):
         html = page.read_text()
-        remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"', html)
+        tags = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"', html)
+        remote = [tag for tag in tags if 'rel="canonical"' not in tag]  # names the page's address, loads nothing
         assert not remote, f"{page.relative_to(site)} loads {remote[:3]}"
+        # Material's script fetches a "source" component's stars and forks from GitHub's API.
+        assert 'data-md-component="source"' not in html, f"{page.relative_to(site)} asks GitHub for its facts"
+
+
+def test_the_home_page_shows_the_readmes_results_and_the_site_the_reproduction_report(site):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines()
+    cells = [line.strip("|").split("|") for line in rows if line.startswith("| multi30k")]
+    home = re.sub(r"\s+", " ", (site / "index.html").read_text())
+    assert len(cells) > 1
+    for row in cells:
+        assert "<td>" + "</td> <td>".join(cell.strip() for cell in row) + "</td>" in home, row
+    report = (site / "reproduction" / "index.html").read_text()
+    assert "Reproduction report" in report and "sacreBLEU signature" in report
 
 
 def test_the_math_is_mathml_and_every_figure_is_in_the_site(site):

@@ -3,6 +3,10 @@
 Math: pymdownx.arithmatex marks it, and it is written into the page as MathML when the site is built;
 browsers draw MathML themselves, so the site needs no MathJax, no font and no network to show it.
 
+The reproduction report and the results: reports/reproduction.md, which the pipeline writes, is
+the site's reproduction.md, and a page that holds the README's results markers shows the README's
+results table between them; neither is copied into docs/.
+
 Figures: the pipeline's committed figures live in reports/figures/, outside docs/; a page links them
 as ../reports/figures/NAME.png (which is right on a repository browser too), and the site carries a
 copy of each at reports/figures/NAME.png.
@@ -25,6 +29,9 @@ from latex2mathml.converter import convert
 from mkdocs.structure.files import File, Files, InclusionLevel
 
 FIGURES = Path("reports/figures")  # from the repository root, mkdocs.yml's folder
+REPORT = Path("reports/reproduction.md")
+README = Path("README.md")
+RESULTS = ("<!-- results -->", "<!-- /results -->")  # around the README's results table
 WRAPPED_CODE = {"annotated.md"}
 JOINER_FONT = "joiner.ttf"  # extra.css's @font-face names it
 _MATH = re.compile(r'<(span|div) class="arithmatex">\s*\\([(\[])(.*?)\\[)\]]\s*</\1>', re.DOTALL)
@@ -42,8 +49,19 @@ def on_page_content(html_text: str, page, **_) -> str:
     return html_text
 
 
+def on_page_markdown(markdown: str, config, **_) -> str:
+    begin, end = RESULTS
+    if begin not in markdown:
+        return markdown
+    readme = (Path(config["docs_dir"]).parent / README).read_text(encoding="utf-8")
+    table = readme.split(begin)[1].split(end)[0]
+    before, rest = markdown.split(begin, 1)
+    return before + begin + table + end + rest.split(end, 1)[1]
+
+
 def on_files(files: Files, config) -> Files:
     docs = Path(config["docs_dir"])
+    files.append(File.generated(config, "reproduction.md", abs_src_path=str((docs.parent / REPORT).resolve())))
     for figure in sorted((docs.parent / FIGURES).glob("*.png")):
         uri = (FIGURES / figure.name).as_posix()
         # Included outright: mkdocs would take a path starting with "." for a hidden file and leave it out.

@@ -115,6 +115,12 @@ def test_no_heading_is_swallowed_by_a_table(site):
         assert not swallowed, f"{page.relative_to(site)}: a heading read as a table row: {swallowed[0]!r}"
 
 
+def test_no_code_in_a_table_shows_the_backslash_that_escapes_a_pipe_for_github(site):
+    for page in site.rglob("*.html"):
+        shown = re.findall(r"<td><code>[^<]*\\\|[^<]*</code>", page.read_text())
+        assert not shown, f"{page.relative_to(site)}: {shown[0]}"
+
+
 def test_the_annotated_pages_code_and_output_wrap_at_the_column(site):
     """Its lines are wider than the column; they wrap (extra.css) rather than scroll out of sight."""
     html = (site / "annotated" / "index.html").read_text()

@@ -5,7 +5,8 @@ browsers draw MathML themselves, so the site needs no MathJax, no font and no ne
 
 The reproduction report and the results: reports/reproduction.md, which the pipeline writes, is
 the site's reproduction.md, and a page that holds the README's results markers shows the README's
-results table between them; neither is copied into docs/.
+results table between them; neither is copied into docs/. A pipe that a table's code span escapes
+for GitHub (the report's sacreBLEU signatures) is shown without its backslash.
 
 Figures: the pipeline's committed figures live in reports/figures/, outside docs/; a page links them
 as ../reports/figures/NAME.png (which is right on a repository browser too), and the site carries a
@@ -50,6 +51,22 @@ def on_page_content(html_text: str, page, **_) -> str:
 
 
 def on_page_markdown(markdown: str, config, **_) -> str:
+    return _table_code_pipes(_results(markdown, config))
+
+
+def _table_code_pipes(markdown: str) -> str:
+    """A `|` in a table's code span, escaped as GitHub needs it (`a\\|b`), without the backslash
+    Python-Markdown would show there (it splits no cell inside a code span)."""
+    lines = markdown.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("|") and "\\|" in line and line.count("`") % 2 == 0:
+            parts = line.split("`")
+            parts[1::2] = [code.replace("\\|", "|") for code in parts[1::2]]
+            lines[i] = "`".join(parts)
+    return "\n".join(lines)
+
+
+def _results(markdown: str, config) -> str:
     begin, end = RESULTS
     if begin not in markdown:
         return markdown

@@ -517,12 +517,12 @@ def row_names(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option(
     "--source",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="tokenized source, e.g. data/tokenized/test2016.en",
+    help="tokenized source, e.g. data/tokenized/test2016.de",
 )
 @click.option(
     "--reference",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="raw reference, e.g. data/raw/test2016.de",
+    help="raw reference, e.g. data/raw/test2016.en",
 )
 @click.option(
     "--rows",
@@ -540,7 +540,7 @@ def main(
     reference: Path | None,
     names: tuple[str, ...] | None,
 ) -> None:
-    """Training and decoding speed of ours against the seed-style baseline; see the module docstring."""
+    """Training and decoding speed of ours against the Annotated Transformer's way; see the module docstring."""
     plan = QUICK if quick else FULL
     start = time.perf_counter()
     info = machine()

@@ -1,6 +1,7 @@
 """The documentation site builds with every internal link checked (mkdocs --strict), and reads offline:
 no page loads a script, a style or a font from the network, the math is MathML, the API page is
-generated from the docstrings and every figure a page shows is in the site."""
+generated from the docstrings, every figure a page shows is in the site, no heading falls into a
+table, and the tokenizer's joiner has a glyph."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,23 @@ def site(tmp_path_factory) -> Path:
 def test_no_page_loads_anything_from_the_network(site):
     for page in site.rglob("*.html"):
         html = page.read_text()
-        remote = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"', html)
+        tags = re.findall(r'<(?:script|link|img)[^>]+(?:src|href)="(?:https?:)?//[^"]+"', html)
+        remote = [tag for tag in tags if 'rel="canonical"' not in tag]  # names the page's address, loads nothing
         assert not remote, f"{page.relative_to(site)} loads {remote[:3]}"
+        # Material's script fetches a "source" component's stars and forks from GitHub's API.
+        assert 'data-md-component="source"' not in html, f"{page.relative_to(site)} asks GitHub for its facts"
+
+
+def test_the_home_page_shows_the_readmes_results_and_the_site_the_reproduction_report(site):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines()
+    cells = [line.strip("|").split("|") for line in rows if line.startswith("| multi30k")]
+    home = re.sub(r"\s+", " ", (site / "index.html").read_text())
+    assert len(cells) > 1
+    for row in cells:
+        assert "<td>" + "</td> <td>".join(cell.strip() for cell in row) + "</td>" in home, row
+    report = (site / "reproduction" / "index.html").read_text()
+    assert "Reproduction report" in report and "sacreBLEU signature" in report
 
 
 def test_the_math_is_mathml_and_every_figure_is_in_the_site(site):
@@ -54,3 +71,78 @@ def test_the_api_page_is_generated_from_the_docstrings(site):
     for name in ("Translator", "translate", "load", "save_model", "ctranslate2_translate"):
         assert name in html
     assert "Raw text in, raw text out." in html  # Translator.translate's docstring
+
+
+def test_the_api_page_shows_special_tokens_and_the_tokenizer_and_translation_fields(site):
+    """A docstring's `</s>` written bare is taken by the browser for a closing tag and vanishes."""
+    html = (site / "reference" / "index.html").read_text()
+    assert "</s>" not in html and "&lt;/s&gt;" in html
+    text = re.sub(r"<[^>]+>", "", html)
+    assert "spaCy's rule-based tokenizer" in text  # Tokenizer's docstring
+    assert "the translation as raw text" in text.lower() and "score: float" in text  # Translation's fields
+
+
+class _CellText(HTMLParser):
+    """Collects what sits inside table cells: the headings opened there and the cells' text."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.headings, self.texts = 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("td", "th"):
+            self.depth += 1
+            self.texts.append("")
+        elif self.depth and re.fullmatch(r"h[1-6]", tag):
+            self.headings.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self.depth:
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if self.depth:
+            self.texts[-1] += data
+
+
+def test_no_heading_is_swallowed_by_a_table(site):
+    """A Markdown table needs a blank line after it, or the next line (a heading too) becomes a row."""
+    for page in site.rglob("*.html"):
+        cells = _CellText()
+        cells.feed(page.read_text())
+        assert not cells.headings, f"{page.relative_to(site)}: a {cells.headings[0]} in a table cell"
+        swallowed = [text for text in cells.texts if re.match(r"\s*#{1,6} ", text)]
+        assert not swallowed, f"{page.relative_to(site)}: a heading read as a table row: {swallowed[0]!r}"
+
+
+def test_no_code_in_a_table_shows_the_backslash_that_escapes_a_pipe_for_github(site):
+    for page in site.rglob("*.html"):
+        shown = re.findall(r"<td><code>[^<]*\\\|[^<]*</code>", page.read_text())
+        assert not shown, f"{page.relative_to(site)}: {shown[0]}"
+
+
+def test_the_annotated_pages_code_and_output_wrap_at_the_column(site):
+    """Its lines are wider than the column; they wrap (extra.css) rather than scroll out of sight."""
+    html = (site / "annotated" / "index.html").read_text()
+    css = re.search(r'<link[^>]+href="([^"]*extra\.css)"', html)
+    assert css, "the annotated page does not link extra.css"
+    rules = (site / "annotated" / css.group(1)).resolve().read_text()
+    rule = re.search(r"\.wrap-code pre > code\s*\{([^}]*)\}", rules)
+    assert rule and "white-space: pre-wrap" in rule.group(1) and "overflow-wrap: anywhere" in rule.group(1)
+    content = html[html.index('<div class="wrap-code">') :]
+    assert content.count("<pre") == html.count("<pre") > 0, "a code block outside the wrapped part"
+
+
+def test_the_joiner_has_a_glyph_in_the_sites_own_font(site):
+    """Most Latin fonts lack ￭ (U+FFED) and draw a box: the site's font stack starts with one that has it."""
+    from fontTools.ttLib import TTFont
+
+    from transformer.data.tokenize import JOINER
+
+    css = (site / "extra.css").read_text()
+    face = re.search(r"@font-face\s*\{([^}]*)\}", css).group(1)
+    font = re.search(r'src: url\("([^"]+)"\)', face).group(1)
+    assert f"unicode-range: U+{ord(JOINER):04X}" in face
+    assert ord(JOINER) in TTFont(site / font).getBestCmap()
+    family = re.search(r'font-family: ("[^"]+")', face).group(1)
+    assert f"--md-text-font: {family}" in css and f"--md-code-font: {family}" in css

@@ -436,7 +436,8 @@ _TYPE_WORDS = {int: "integer", float: "number", bool: "`true` or `false`", str: 
 
 def param_tables(defaults: dict[str, dict[str, Any]]) -> str:
     """docs/pipeline.md's table of each section: every key's meaning, the values it may take,
-    and its default (`defaults`, params.yaml's values)."""
+    and its default (`defaults`, params.yaml's values). Each table ends with a blank line: without
+    one, Markdown reads the heading that follows as one more row of the table."""
     lines = []
     for section in SECTIONS:
         lines += [f"### {section}", "", "| key | what it does | values | default |", "|---|---|---|---|"]
@@ -446,7 +447,7 @@ def param_tables(defaults: dict[str, dict[str, Any]]) -> str:
             cells = [f"`{f.name}`", f.metadata["meaning"], values, f"`{_yaml(defaults[section][f.name])}`"]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def _yaml(value: Any) -> str:

@@ -17,6 +17,10 @@ JOINER = "\uffed"  # ￭
 
 
 class Tokenizer:
+    """spaCy's rule-based tokenizer for one language (`lang`: "de", "en", ...), made reversible: a token
+    written right after the previous one, with no space between them, carries the joiner `￭` in front
+    ("Hello ￭, world"), so `detokenize` rebuilds the original text."""
+
     def __init__(self, lang: str):
         import spacy
 
@@ -39,6 +43,7 @@ class Tokenizer:
             yield " ".join(out)
 
     def __call__(self, line: str) -> str:
+        """Tokenizes one line."""
         return next(self.pipe([line]))
 
 

@@ -20,8 +20,8 @@ def length_penalty(length: int, alpha: float) -> float:
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A translation in token ids (no <s>, no </s>) and log P(tokens | source), summed over its
-    tokens and the </s> that ended it (if one did)."""
+    """A translation in token ids (no `<s>`, no `</s>`) and log P(tokens | source), summed over its
+    tokens and the `</s>` that ended it (if one did)."""
 
     tokens: list[int]
     log_prob: float

@@ -23,12 +23,14 @@ from transformer.model.model import load_members
 
 @dataclass(frozen=True)
 class Translation:
-    """A detokenized translation and its score: log P(translation | source) under the model, in nats,
-    summed over its tokens and the </s> that ended it (n-best lists rank beam search's way, by
+    """A detokenized translation and its score (n-best lists rank beam search's way, by
     score / lp(length), so a longer hypothesis may rank above a shorter one with a higher score)."""
 
     text: str
+    """The translation as raw text, detokenized."""
     score: float
+    """log P(translation | source) under the model, in nats, summed over its tokens and the `</s>`
+    that ended it."""
 
 
 class LongSourceWarning(UserWarning):
@@ -241,7 +243,7 @@ def search_batches(
     device: torch.device,
 ) -> Iterator[tuple[list[int], list[list[int]]]]:
     """(sentence indices, best output ids) batch by batch, shortest sources first; each source ends in
-    </s>; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
+    `</s>`; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
     limits = [len(ids) + max_len_extra for ids in encoded]
     run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=1)
     for batch, found in batched_search(encoded, limits, beam, batch_tokens, device, run):

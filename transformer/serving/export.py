@@ -97,7 +97,7 @@ def tokens(vocab: Vocab) -> list[str]:
 
 
 def source_tokens(vocab: Vocab, tokenized: str) -> list[str]:
-    """A tokenized line as the token strings our encoder reads, </s> included."""
+    """A tokenized line as the token strings our encoder reads, `</s>` included."""
     from transformer.data.vocab import EOS
 
     names = tokens(vocab)

@@ -28,6 +28,7 @@ from conftest import (
 from test_experiments import DOWNSTREAM_OF_TRAIN
 
 from bench.toy import RUN_RECORD, SMALL, start_repro, tree
+from transformer.evaluation.score import with_interval
 from transformer.kernels.memory import KERNEL_CACHE, mimalloc_library
 
 STAGES = {"download", "tokenize", "build_vocab"} | DOWNSTREAM_OF_TRAIN
@@ -79,7 +80,10 @@ def _assert_report_has_every_stage_and_score(repo, scores):
     assert timed == TIMED
     for stage in timed:
         assert f"| {stage} |" in report
-    assert f"| toy | de→en | test2016 | {scores['test2016']['bleu']} |" in report  # the headline row
+    test2016 = scores["test2016"]
+    low, high = test2016["bleu_ci95"]
+    assert low <= test2016["bleu"] <= high
+    assert f"| toy | de→en | test2016 | {with_interval(test2016['bleu'], [low, high])} |" in report  # the headline row
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
 
 

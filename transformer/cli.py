@@ -143,6 +143,38 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))
 
 
+@main.command("score-model")
+@click.option(
+    "--model",
+    "model_paths",
+    required=True,
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="a model file; given more than once, the ensemble scores",
+)
+@click.option("--source", required=True, type=click.Path(path_type=Path), help="raw source text, one sentence a line")
+@click.option("--target", required=True, type=click.Path(path_type=Path), help="raw translations, line for line")
+@stage
+def score_model(model_paths: tuple[Path, ...], source: Path, target: Path) -> None:
+    """Forced decoding: prints each target line's log P(target | source) under the model, one a line, the
+    score `translate --scores` gives a translation the search finds; then, on stderr, the total, the tokens
+    it sums over (subwords and each line's </s>) and the mean per token."""
+    from transformer.decoding.translate import Translator
+    from transformer.io import DataError, read_lines
+
+    sources, targets = read_lines(source), read_lines(target)
+    if len(sources) != len(targets):
+        raise DataError(f"{target}: has {len(targets)} lines but the source {source} has {len(sources)}")
+    try:
+        scored = Translator.load(model_paths).score(sources, targets)
+    except DataError as e:
+        raise DataError(f"{source}, {target}: {e}") from None
+    click.echo("".join(f"{s.score:.4f}\n" for s in scored), nl=False)
+    total, tokens = sum(s.score for s in scored), sum(s.tokens for s in scored)
+    mean = f"{total / tokens:.4f}" if tokens else "-"
+    click.echo(f"total {total:.4f} over {tokens} tokens, {mean} per token", err=True)
+
+
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["ctranslate2"]), default="ctranslate2", show_default=True)
 @click.option(

@@ -143,6 +143,40 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))
 
 
+@main.command()
+@click.argument("systems", nargs=-1, required=True)
+@click.option(
+    "--refs",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="references, line for line; its name without the language suffix names the test set",
+)
+@click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    type=click.Choice(CHOICES["score.metrics"]),
+    default=CHOICES["score.metrics"],
+    show_default=True,
+    help="given once per metric",
+)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
+@stage
+def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str, ...], as_json: bool) -> None:
+    """Compares SYSTEMS on one test set, the first the baseline. Each is a translation file, or a git revision
+    or DVC experiment whose decode@<testset> output DVC reads. Prints each score with its 95% interval, the
+    difference to the baseline with its interval, and the p-values of sacreBLEU's paired approximate
+    randomization and paired bootstrap tests, with the signature."""
+    from transformer.evaluation.compare import compare as compared
+    from transformer.evaluation.compare import load_system, markdown
+    from transformer.io import read_lines
+
+    testset = refs.name.split(".")[0]
+    found = compared([(s, load_system(s, testset)) for s in systems], read_lines(refs), lang, metrics)
+    click.echo(json.dumps({"testset": testset, "metrics": found}, indent=1) if as_json else markdown(found, testset))
+
+
 @main.command("score-model")
 @click.option(
     "--model",

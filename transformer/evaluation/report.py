@@ -62,7 +62,8 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table's lines; a "|" inside a cell (sacreBLEU signatures have them) is escaped."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
@@ -88,7 +89,7 @@ def headline(
     total = sum(t["wall_s"] for t in timings.values())
     cells = [with_interval(s[m], interval(s, m)) if m in s else "-" for m in METRICS]
     row = [d.corpus, _direction(params), testset, *cells, *beside, _minutes(total)]
-    return _table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
+    return markdown_table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
 
 
 def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], kind: str) -> list[str]:
@@ -117,7 +118,7 @@ def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
     if any(w != "-" for w in where):  # without intervals the table stays as it was
         header.insert(5, f"the {kind} figure and our 95% interval")
         rows = [[*row[:5], w, *row[5:]] for row, w in zip(rows, where)]
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _inside(figure: float, ci95: list[float] | None, kind: str) -> str:
@@ -138,7 +139,7 @@ def score_table(scores: dict[str, dict[str, Any]], signatures: dict[str, dict[st
         for t, s in scores.items()
         for m, v in values(s).items()
     ]
-    return _table(["test set", "metric", "score", "sacreBLEU signature"], rows)
+    return markdown_table(["test set", "metric", "score", "sacreBLEU signature"], rows)
 
 
 def recipe(params: Params, model: dict[str, Any]) -> list[str]:
@@ -188,7 +189,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
         ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
         ["training time", model["training time"]],
     ]
-    return _table(["", ""], rows)
+    return markdown_table(["", ""], rows)
 
 
 def _averaged(k: int, select: str) -> str:
@@ -209,7 +210,7 @@ def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
         resumed = f" ({_minutes(t['resumed_s'])} of it before a resume)" if t.get("resumed_s") else ""
         rows.append([name, _minutes(t["wall_s"]) + resumed, t["finished"]])
     rows.append(["**total**", f"**{_minutes(sum(t['wall_s'] for t in timings.values()))}**", ""])
-    return _table(["stage", "wall time", "finished (UTC)"], rows)
+    return markdown_table(["stage", "wall time", "finished (UTC)"], rows)
 
 
 def section(

@@ -27,36 +27,57 @@ def score_lines(
     """{metric: value, metric_signature: sacreBLEU signature} for one test set. With `bootstrap` resamples,
     also metric_ci95: [low, high], the 95% interval of sacreBLEU's bootstrap, which says how far another
     draw of test sentences could move the score."""
-    import sacrebleu
-
     out: dict[str, Any] = {}
     for name in metrics:
-        if name == "bleu_tok_lc":
-            # force: the text is tokenized on purpose; without it sacreBLEU warns "forgot to detokenize"
-            metric, h, r = sacrebleu.BLEU(tokenize="none", force=True), tok_lc(hyps, lang), tok_lc(refs, lang)
-        else:
-            metric = {"bleu": sacrebleu.BLEU, "chrf": sacrebleu.CHRF, "ter": sacrebleu.TER}[name]()
-            h, r = hyps, refs
+        metric, h, r = make_metric(name), prepared(name, hyps, lang), prepared(name, refs, lang)
         result = metric.corpus_score(h, [r])
         finite = math.isfinite(result.score)
         out[name] = round(result.score, 2) if finite else None  # JSON metrics: null, never NaN
         if bootstrap:
-            out[f"{name}_ci95"] = _percentiles(metric, h, r, bootstrap) if finite else None
-        out[f"{name}_signature"] = str(metric.get_signature()) + ("|lc+moses" if name == "bleu_tok_lc" else "")
+            out[f"{name}_ci95"] = percentiles(resample(metric, h, r, bootstrap)) if finite else None
+        out[f"{name}_signature"] = signature(name, metric.get_signature())
     return out
 
 
-def _percentiles(metric, hyps: list[str], refs: list[str], n: int) -> list[float]:
-    """The 2.5th and 97.5th percentiles of the metric over sacreBLEU's own bootstrap resamples, at the ranks its
-    estimate_ci takes. corpus_score(n_bootstrap=) keeps only their mean and half-width, whose sum can pass the
-    metric's range on a small test set; the percentiles never do. Records bs: and seed: in the signature,
-    as corpus_score does."""
+def make_metric(name: str):
+    """The sacreBLEU metric object of a score.metrics name."""
+    import sacrebleu
+
+    if name == "bleu_tok_lc":
+        # force: the text is tokenized on purpose; without it sacreBLEU warns "forgot to detokenize"
+        return sacrebleu.BLEU(tokenize="none", force=True)
+    return {"bleu": sacrebleu.BLEU, "chrf": sacrebleu.CHRF, "ter": sacrebleu.TER}[name]()
+
+
+def prepared(name: str, lines: list[str], lang: str) -> list[str]:
+    """The text as the metric reads it: BLEU tok-lc scores lowercased, Moses-tokenized text."""
+    return tok_lc(lines, lang) if name == "bleu_tok_lc" else lines
+
+
+def signature(name: str, sacrebleu_signature) -> str:
+    """A sacreBLEU signature (a metric's, once it has scored, or a paired test's), marked where we tokenized the
+    text ourselves."""
+    return str(sacrebleu_signature) + ("|lc+moses" if name == "bleu_tok_lc" else "")
+
+
+def resample(metric, hyps: list[str], refs: list[str], n: int) -> list[float]:
+    """The metric on n of sacreBLEU's own bootstrap resamples of the test set. The resamples depend only on
+    the seed (SACREBLEU_SEED, else 12345) and the number of sentences, so two systems of one test set are
+    resampled alike: their differences are paired. Records bs: and seed: in the signature, as
+    corpus_score(n_bootstrap=) does."""
     from sacrebleu.significance import _bootstrap_resample
 
     metric.n_bootstrap = n
-    metric.seed, resampled = _bootstrap_resample(metric._extract_corpus_statistics(hyps, [refs]), metric, n)
-    ranked = sorted(x.score for x in resampled)
-    return [round(float(ranked[n // 40]), 2), round(float(ranked[n - n // 40 - 1]), 2)]
+    metric.seed, scores = _bootstrap_resample(metric._extract_corpus_statistics(hyps, [refs]), metric, n)
+    return [float(x.score) for x in scores]
+
+
+def percentiles(resampled: list[float]) -> list[float]:
+    """The 2.5th and 97.5th percentiles, at the ranks sacreBLEU's estimate_ci takes. corpus_score(n_bootstrap=)
+    keeps only their mean and half-width, whose sum can pass the metric's range on a small test set;
+    the percentiles never do."""
+    ranked, n = sorted(resampled), len(resampled)
+    return [round(ranked[n // 40], 2), round(ranked[n - n // 40 - 1], 2)]
 
 
 def values(scores: dict[str, Any]) -> dict[str, Any]:

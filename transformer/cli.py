@@ -136,8 +136,8 @@ def translate(
 )
 @stage
 def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
-    """Scores translations as the score stage does and prints one JSON object:
-    {<metric>: value, <metric>_signature: sacreBLEU's signature}."""
+    """Scores translations as the score stage does and prints one JSON object: {<metric>: value,
+    <metric>_ci95: [low, high] (its 95% bootstrap interval), <metric>_signature: sacreBLEU's signature}."""
     from transformer.evaluation.score import score_files
 
     click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))

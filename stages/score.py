@@ -49,7 +49,14 @@ def main(
     track: bool,
 ) -> None:
     from transformer import checkpoints
-    from transformer.evaluation.score import markdown_report, score_files, signatures, values
+    from transformer.evaluation.score import (
+        interval,
+        markdown_report,
+        metrics_json,
+        score_files,
+        signatures,
+        with_interval,
+    )
     from transformer.evaluation.system import describe_model, hardware
 
     params = load_params(params_path)
@@ -60,12 +67,15 @@ def main(
     }
     model = checkpoints.load(model_path)
     meta = describe_model(model) | {"hardware": hardware()}
-    scored = {t: values(s) for t, s in scores.items()}
+    scored = {t: metrics_json(s) for t, s in scores.items()}
     write_json(out, scored)
     write_json(signatures_path, {t: signatures(s) for t, s in scores.items()})
     write_text(table, markdown_report(scores, meta))
-    for t, v in scored.items():
-        click.echo(f"{t}: " + ", ".join(f"{k} {x}" for k, x in v.items()), err=True)
+    for t, s in scores.items():
+        click.echo(
+            f"{t}: " + ", ".join(f"{m} {with_interval(s[m], interval(s, m))}" for m in params.score.metrics),
+            err=True,
+        )
     tracked = track and model.get("mlflow_run_id")
     note = evaluation.with_name(f".{evaluation.name}.run")  # the evaluation's run id while it is logged
     run_id = _log_evaluation(params, model, scored, translations, references, table, note=note) if tracked else None
@@ -79,6 +89,7 @@ def _log_evaluation(
     """This evaluation's own MLflow run, under the training's: decode (and averaging) params, scores, corpus files.
     Returns its id."""
     from transformer.config import flatten
+    from transformer.evaluation.score import flat_metrics
     from transformer.tracking import experiment_name, log_evaluation
 
     d = params.data
@@ -95,7 +106,7 @@ def _log_evaluation(
         experiment_name(d.corpus, d.src_lang, d.tgt_lang),
         what,
         run_params,
-        {f"{t}_{k}": x for t, v in scored.items() for k, x in v.items()},
+        flat_metrics(scored),
         model["step"],
         inputs,
         {"translations": [translations / f"{t}.txt" for t in scored], "reports": [table]},

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import DVC, MlflowServer, mlflow_client, mlflow_runs, project_copy, run, tiny_params, tool_env
 
+from transformer.evaluation.score import values
+
 GIT = ["git", "-c", "user.name=Test", "-c", "user.email=test@example.com"]
 DOWNSTREAM_OF_TRAIN = {
     "train",
@@ -98,7 +100,7 @@ def _assert_report_section(repo: Path, run, exp: dict) -> None:
     section = reports["reports/reproduction.md"]
     beam, alpha = (exp["params"]["decode"][k] for k in ("beam", "alpha"))
     assert f"| decoding | beam {beam}, α {alpha}," in section
-    assert f"| toy | de→en | test2016 | {exp['scores']['test2016']['bleu']} |" in section  # the headline row
+    assert f"| toy | de→en | test2016 | {exp['scores']['test2016']['bleu']} ± " in section  # the headline row
 
 
 def _assert_evaluation_run(run, training_run_id: str, exp: dict, param: str, value) -> None:
@@ -129,6 +131,11 @@ def repo(baseline: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _shown_by_dvc(path: Path) -> dict:
+    """The metrics file as DVC shows it: the values; the intervals beside them are lists, which DVC leaves out."""
+    return {t: values(s) for t, s in json.loads(path.read_text()).items()}
+
+
 def _training_run_id(runs: dict) -> str:
     (found,) = [i for i, r in runs.items() if "mlflow.parentRunId" not in r.data.tags]
     return found
@@ -138,7 +145,7 @@ def test_exp_run_reruns_train_and_downstream_only_and_exp_show_lists_it(repo):
     out = run([DVC, "exp", "run", "-S", "train.warmup=50"], repo, timeout=300).stdout
     assert _ran(out) == DOWNSTREAM_OF_TRAIN, out
     exp = _named(repo, "train", "warmup", 50)
-    assert exp["scores"] == json.loads((repo / "reports/scores.json").read_text())
+    assert exp["scores"] == _shown_by_dvc(repo / "reports/scores.json")
     assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
     baselines = _with_warmup(repo, 100)
     assert baselines and all(b["scores"] != exp["scores"] for b in baselines)
@@ -153,7 +160,7 @@ def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_tra
     out = run([DVC, "exp", "run", "-S", "decode.beam=1"], repo, timeout=300).stdout
     assert _ran(out) == {"decode@val", "decode@test2016", "score", "report"}, out
     exp = _named(repo, "decode", "beam", 1)
-    assert exp["scores"] == json.loads((repo / "reports/scores.json").read_text())
+    assert exp["scores"] == _shown_by_dvc(repo / "reports/scores.json")
     assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
     after = mlflow_runs(repo)
     (evaluation,) = [after[i] for i in after.keys() - before.keys()]

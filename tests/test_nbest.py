@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,13 @@ from click.testing import CliRunner
 from test_search import BOS, EOS, GREEDY_TRAP, PAD, A, B, C, ScriptedDecoder, _max_len, _random_model, _src
 from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
-from transformer import Translator
+from transformer import Translator, checkpoints
 from transformer.cli import main
-from transformer.decoding.search import beam_search, beam_search_nbest
+from transformer.data.vocab import BOS as BOS_ID
+from transformer.data.vocab import PAD as PAD_ID
+from transformer.data.vocab import UNK as UNK_ID
+from transformer.decoding.search import beam_search, beam_search_nbest, forced
+from transformer.io import DataError
 
 
 def test_nbest_lists_the_finished_hypotheses_best_first_with_their_log_probabilities():
@@ -83,3 +88,102 @@ def test_cli_nbest_above_beam_is_a_usage_error(model_file):
         main, ["translate", "--model", str(model_file), "--beam", "2", "--nbest", "3"], input="ein Hund\n"
     )
     assert result.exit_code == 2 and "--nbest" in result.output
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_forced_decoding_of_the_searchs_own_hypotheses_gives_its_log_probabilities(beam):
+    model, g = _random_model(), torch.Generator().manual_seed(2)
+    sentences = [torch.cat([torch.randint(4, 14, (n,), generator=g), torch.tensor([EOS])]) for n in (5, 2, 8, 3)]
+    src = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True, padding_value=PAD)
+    max_len = torch.tensor([len(s) + 20 for s in sentences])
+    found = beam_search_nbest(model, src, beam, 2.0, max_len, BOS, EOS, nbest=beam)  # a strong length penalty
+    compared = 0
+    for k in range(beam):  # the k-th best of every sentence, forced in one batch
+        targets = [hyps[k].tokens for hyps in found]
+        forced_scores = forced(model, src, targets, BOS, EOS)
+        for i, hyps in enumerate(found):
+            if len(hyps[k].tokens) < max_len[i]:  # ended in </s>, not cut at the length bound
+                assert forced_scores[i] == pytest.approx(hyps[k].log_prob, abs=1e-4), (beam, k, i)
+                compared += 1
+    assert compared >= 2 * beam
+
+
+def test_forced_decoding_scores_every_token_of_a_scripted_decoder():
+    # GREEDY_TRAP scripts B C </s> at 0.4 * 0.9 * P(</s>) and A A </s> at 0.6 * 0.4 * P(</s>).
+    found = beam_search_nbest(ScriptedDecoder(GREEDY_TRAP), _src(1), 2, 0.0, _max_len(10), BOS, EOS, nbest=2)
+    for h in found[0]:
+        (score,) = forced(ScriptedDecoder(GREEDY_TRAP), _src(1), [h.tokens], BOS, EOS)
+        assert score == pytest.approx(h.log_prob, abs=1e-6)
+    (worse,) = forced(ScriptedDecoder(GREEDY_TRAP), _src(1), [[C, C]], BOS, EOS)
+    assert worse < min(h.log_prob for h in found[0])  # an output the script gives the floor probability
+
+
+@pytest.fixture(scope="module")
+def wordy_file(model_file, tmp_path_factory) -> Path:
+    """The tiny model changed so that it never chooses <s>, <blank> or <unk>, which a translation's text
+    leaves out: each token of its output is a word of the text or the </s> that ends it. never_ending's
+    change, with </s> given a logit of about 0.05 × d_model instead, so that beam search ends some
+    hypotheses in it within the bound and cuts others there."""
+    ckpt = checkpoints.load(model_file)
+    ckpt["model"]["decoder.norm.bias"] = torch.ones_like(ckpt["model"]["decoder.norm.bias"])
+    ckpt["model"]["generator.weight"][[BOS_ID, PAD_ID, UNK_ID]] = -1.0
+    ckpt["model"]["generator.weight"][EOS] = 0.05
+    path = tmp_path_factory.mktemp("wordy") / "model.pt"
+    checkpoints.save(path, ckpt)
+    return path
+
+
+def test_translator_score_gives_each_translation_the_score_translate_gave_it(wordy_file):
+    translator, extra = Translator.load(wordy_file, device="cpu"), 4
+    lists = translator.translate(SRC_LINES, beam=4, nbest=4, return_scores=True, max_len_extra=extra)
+    # the hypotheses that ended in </s>, shorter than the bound (the source's words, its </s>, extra)
+    ended = [
+        (source, text, score)
+        for source, hyps in zip(SRC_LINES, lists)
+        for text, score in hyps
+        if len(text.split()) < len(source.split()) + 1 + extra
+    ]
+    assert 4 <= len(ended) < 16, lists  # some ended, some were cut
+    sources, texts, scores = zip(*ended)
+    scored = translator.score(list(sources), list(texts), batch_tokens=8)  # several batches
+    assert [s.score for s in scored] == pytest.approx(list(scores), abs=1e-4)
+    assert [s.tokens for s in scored] == [len(text.split()) + 1 for text in texts]  # words and </s>
+
+
+def test_cli_score_model_prints_a_score_a_line_and_the_total_per_token(wordy_file, tmp_path):
+    translator = Translator.load(wordy_file, device="cpu")
+    targets = ["a dog runs", "two men play football", "", "a child"]
+    sources = SRC_LINES[:2] + [SRC_LINES[2], SRC_LINES[3]]
+    (tmp_path / "src.de").write_text("".join(s + "\n" for s in sources), encoding="utf-8")
+    (tmp_path / "tgt.en").write_text("".join(t + "\n" for t in targets), encoding="utf-8")
+    args = ["score-model", "--model", str(wordy_file), "--source", str(tmp_path / "src.de")]
+    result = CliRunner().invoke(main, args + ["--target", str(tmp_path / "tgt.en")])
+    assert result.exit_code == 0, result.output
+    expected = translator.score(sources, targets)
+    assert [float(x) for x in result.stdout.splitlines()] == pytest.approx([s.score for s in expected], abs=1e-4)
+    total, tokens = sum(s.score for s in expected), 3 + 4 + 0 + 2 + 4  # words, and a </s> a line
+    assert f"total {total:.4f} over {tokens} tokens, {total / tokens:.4f} per token" in result.stderr
+    assert expected[2].score < 0  # an empty translation of a sentence still has its </s> to score
+
+
+def test_cli_score_model_refuses_files_of_different_lengths_naming_both(model_file, tmp_path):
+    (tmp_path / "src.de").write_text("ein Hund\nein Kind\n", encoding="utf-8")
+    (tmp_path / "tgt.en").write_text("a dog\n", encoding="utf-8")
+    args = ["score-model", "--model", str(model_file), "--source", str(tmp_path / "src.de")]
+    result = CliRunner().invoke(main, args + ["--target", str(tmp_path / "tgt.en")])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert f"error: {tmp_path / 'tgt.en'}: has 1 lines but the source {tmp_path / 'src.de'} has 2" in result.output
+
+
+def test_cli_score_model_refuses_a_translation_of_an_empty_line(model_file, tmp_path):
+    (tmp_path / "src.de").write_text("ein Hund\n\n", encoding="utf-8")
+    (tmp_path / "tgt.en").write_text("a dog\na child\n", encoding="utf-8")
+    args = ["score-model", "--model", str(model_file), "--source", str(tmp_path / "src.de")]
+    result = CliRunner().invoke(main, args + ["--target", str(tmp_path / "tgt.en")])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert f"error: {tmp_path / 'src.de'}, {tmp_path / 'tgt.en'}: line 2: an empty source" in result.output
+
+
+def test_translator_score_refuses_sources_and_targets_of_different_counts(model_file):
+    with pytest.raises(DataError, match="2 sources but 1 targets"):
+        Translator.load(model_file, device="cpu").score(SRC_LINES[:2], ["a dog"])

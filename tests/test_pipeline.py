@@ -28,6 +28,7 @@ from conftest import (
 from test_experiments import DOWNSTREAM_OF_TRAIN
 
 from bench.toy import RUN_RECORD, SMALL, start_repro, tree
+from transformer.evaluation.score import BOOTSTRAP, with_interval
 from transformer.kernels.memory import KERNEL_CACHE, mimalloc_library
 
 STAGES = {"download", "tokenize", "build_vocab"} | DOWNSTREAM_OF_TRAIN
@@ -79,8 +80,11 @@ def _assert_report_has_every_stage_and_score(repo, scores):
     assert timed == TIMED
     for stage in timed:
         assert f"| {stage} |" in report
-    assert f"| toy | de→en | test2016 | {scores['test2016']['bleu']} |" in report  # the headline row
-    assert "nrefs:1|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
+    test2016 = scores["test2016"]
+    low, high = test2016["bleu_ci95"]
+    assert low <= test2016["bleu"] <= high
+    assert f"| toy | de→en | test2016 | {with_interval(test2016['bleu'], [low, high])} |" in report  # the headline row
+    assert f"nrefs:1|bs:{BOOTSTRAP}|seed:12345|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
 
 
 def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
@@ -96,6 +100,8 @@ def _assert_mlflow_runs_have_curves_and_scores(repo, scores):
     assert client.get_metric_history(run_.info.run_id, "batch_wait_ms")
     assert "test2016_bleu" not in run_.data.metrics and "decode.beam" not in run_.data.params
     assert evaluation.data.metrics["test2016_bleu"] == scores["test2016"]["bleu"]
+    ends = [evaluation.data.metrics[f"test2016_bleu_ci_{end}"] for end in ("low", "high")]
+    assert ends == scores["test2016"]["bleu_ci95"]  # the interval, as two numbers
     assert evaluation.data.params["decode.beam"] == "2"
     assert run_.data.tags["direction"] == "de-en"
     assert run_.data.tags["allocator"] == ("mimalloc" if mimalloc_library() else "glibc")  # the stage preloaded it

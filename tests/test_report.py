@@ -13,6 +13,7 @@ from conftest import ROOT, tiny_config, tiny_model, tiny_params
 from transformer.checkpoints import average_state_dicts
 from transformer.config import ADDED_TRAIN_KEYS, METRICS, load_params, params_from_dict
 from transformer.evaluation import report, system
+from transformer.evaluation.score import interval, values, with_interval
 from transformer.evaluation.system import describe_model
 from transformer.io import DataError, write_json
 from transformer.presets import names, recipe
@@ -67,6 +68,30 @@ def test_section_sets_ours_beside_the_published_figure_in_its_metric():
     assert "| test2016 | BLEU tok-lc | 36.52 | 39.97 | +3.45 | greedy | a notebook |" in text
     assert "`nrefs:1\\|case:mixed\\|eff:no\\|tok:13a\\|smooth:exp\\|version:2.6.0`" in text  # escaped inside the table
     assert "| **total** | **2.0 min** |" in text and "git commit abc123" in text
+
+
+def _with_intervals(low: float, high: float) -> dict:
+    return {t: s | {f"{m}_ci95": [low + s[m], high + s[m]] for m in s} for t, s in SCORES.items()}
+
+
+def test_a_section_with_intervals_shows_each_score_with_its_half_width():
+    params = params_from_dict(tiny_params(**{"data.corpus": "multi30k"}))
+    text = report.section(params, _with_intervals(-1.0, 0.8), SIGNATURES, MODEL, {}, [ANCHOR], "2 CPU cores", "abc")
+    assert "| multi30k | de→en | test2016 | 39.72 ± 0.9 | 39.97 ± 0.9 | 58.37 ± 0.9 | 42.47 ± 0.9 |" in text
+    assert "| val | BLEU | 30.0 ± 0.9 | `nrefs:1" in text
+    assert "±" not in _section()  # scores from before intervals show as they did
+
+
+def test_the_report_says_whether_the_published_figure_lies_inside_our_interval():
+    def where(low, high):
+        (row,) = [r for r in report.comparison(_with_intervals(low, high), [ANCHOR], "published") if "36.52" in r]
+        return row
+
+    assert "| +3.45 | outside: the published figure is below our 95% interval [38.97, 40.97] |" in where(-1.0, 1.0)
+    assert "| inside our 95% interval [35.97, 40.97] |" in where(-4.0, 1.0)  # 36.52 in it
+    assert "outside: the published figure is above our 95% interval [30.97, 35.97]" in where(-9.0, -4.0)
+    header = report.comparison(SCORES, [ANCHOR], "published")[0]
+    assert "interval" not in header and "significan" not in where(-1.0, 1.0)  # no interval: no column, no claim
 
 
 def test_recipe_names_the_cooldown_and_a_single_checkpoint():
@@ -273,13 +298,17 @@ def test_the_committed_metrics_are_the_default_recipes_run_the_readme_and_the_re
     readme = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- results -->")[1]
     (row,) = [line for line in readme.splitlines() if line.startswith(f"| {p.data.corpus} | {direction} | test2016 |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert [float(c) for c in cells[3:7]] == [scores["test2016"][m] for m in ("bleu", "bleu_tok_lc", "chrf", "ter")]
+    test2016 = scores["test2016"]
+    assert cells[3:7] == [
+        with_interval(test2016[m], interval(test2016, m)) for m in ("bleu", "bleu_tok_lc", "chrf", "ter")
+    ]
     name = report.key(p)
     text = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8")
     section = text.split(f"<!-- begin {name} -->")[1].split(f"<!-- end {name} -->")[0]
-    for testset, values in scores.items():
-        for metric, value in values.items():
-            assert f"| {testset} | {METRICS[metric]} | {value} |" in section, (testset, metric)
+    for testset, scored in scores.items():
+        for metric, value in values(scored).items():
+            shown = with_interval(value, interval(scored, metric))
+            assert f"| {testset} | {METRICS[metric]} | {shown} |" in section, (testset, metric)
     train = json.loads((ROOT / "reports/train/train.json").read_text(encoding="utf-8"))
     assert train["epochs"] == p.train.epochs and f"| {direction} | test2016 |" in section.split("\n\n")[1]
 

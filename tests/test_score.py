@@ -10,7 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from transformer.cli import main
-from transformer.evaluation.score import markdown_report, score_files, score_lines
+from transformer.evaluation.score import (
+    BOOTSTRAP,
+    flat_metrics,
+    markdown_report,
+    metrics_json,
+    score_files,
+    score_lines,
+    values,
+    with_interval,
+)
 from transformer.io import DataError
 
 METRICS = ("bleu", "bleu_tok_lc", "chrf", "ter")
@@ -80,10 +89,10 @@ def test_the_score_command_prints_the_stage_scores_as_json(tmp_path):
     result = CliRunner().invoke(main, args + ["--metric", "bleu", "--metric", "bleu_tok_lc"])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    assert printed == score_lines(hyps, refs, "en", ("bleu", "bleu_tok_lc"))
+    assert printed == score_lines(hyps, refs, "en", ("bleu", "bleu_tok_lc"), bootstrap=BOOTSTRAP)
     assert printed["bleu_tok_lc"] > printed["bleu"]
     assert set(json.loads(CliRunner().invoke(main, args).stdout)) == {
-        f"{m}{suffix}" for m in ("bleu", "bleu_tok_lc", "chrf", "ter") for suffix in ("", "_signature")
+        f"{m}{suffix}" for m in ("bleu", "bleu_tok_lc", "chrf", "ter") for suffix in ("", "_ci95", "_signature")
     }
 
 
@@ -145,3 +154,67 @@ def test_a_metric_without_a_value_is_null_not_nan(monkeypatch):
     sentence = "a dog runs across the green field"
     scores = score_lines([sentence], [sentence], "en", ("bleu", "ter"))
     assert scores["ter"] is None and scores["bleu"] == 100.0
+
+
+def _synthetic(n: int) -> tuple[list[str], list[str]]:
+    """n hypotheses and references that differ by a word in most sentences, so the resamples differ."""
+    words = "a man a dog two women the child on a bike in the snow near water".split()
+    refs = [" ".join(words[i % 7 : i % 7 + 4 + i % 5]) for i in range(n)]
+    hyps = [r.replace(words[i % 11], "cat", 1) if i % 3 else r for i, r in enumerate(refs)]
+    return hyps, refs
+
+
+def test_every_score_has_a_95_percent_interval_around_it_with_the_resampling_in_its_signature():
+    hyps, refs = _synthetic(40)
+    scores = score_lines(hyps, refs, "en", METRICS, bootstrap=BOOTSTRAP)
+    for m in METRICS:
+        low, high = scores[f"{m}_ci95"]
+        assert low < scores[m] < high, (m, low, scores[m], high)
+        assert f"|bs:{BOOTSTRAP}|seed:12345|" in scores[f"{m}_signature"]
+    assert "bs:" not in score_lines(hyps, refs, "en", ("bleu",))["bleu_signature"]  # no resampling asked
+
+
+def test_the_interval_narrows_as_the_test_set_grows():
+    hyps, refs = _synthetic(40)
+    small = score_lines(hyps, refs, "en", METRICS, bootstrap=BOOTSTRAP)
+    large = score_lines(hyps * 4, refs * 4, "en", METRICS, bootstrap=BOOTSTRAP)
+    for m in METRICS:
+        assert large[m] == pytest.approx(small[m], abs=0.01)  # the same sentences: the same score
+        width = {name: s[f"{m}_ci95"][1] - s[f"{m}_ci95"][0] for name, s in (("small", small), ("large", large))}
+        assert width["large"] < 0.7 * width["small"], (m, width)  # about half: 1 / sqrt(4)
+
+
+def test_the_interval_is_the_same_on_a_rerun():
+    hyps, refs = _synthetic(40)
+    assert score_lines(hyps, refs, "en", METRICS, bootstrap=BOOTSTRAP) == score_lines(
+        hyps, refs, "en", METRICS, bootstrap=BOOTSTRAP
+    )
+
+
+def test_an_interval_stays_within_the_metrics_range_on_a_tiny_test_set():
+    scores = score_lines(["A dog runs.", "A cat"], ["A dog runs.", "The cat sleeps."], "en", ("bleu",), bootstrap=100)
+    assert 0 <= scores["bleu_ci95"][0] <= scores["bleu"] <= scores["bleu_ci95"][1] <= 100
+
+
+def test_a_score_shows_its_intervals_half_width_and_one_without_an_interval_shows_as_before():
+    assert with_interval(41.52, [40.6, 42.4]) == "41.52 ± 0.9"
+    assert with_interval(41.52, None) == "41.52"
+    assert with_interval(None, None) == "None"
+
+
+def test_the_metrics_file_keeps_the_values_where_they_were_and_the_interval_beside_them():
+    scores = score_lines(*_synthetic(10), "en", ("bleu", "ter"), bootstrap=BOOTSTRAP)
+    written = metrics_json(scores)
+    assert set(written) == {"bleu", "bleu_ci95", "ter", "ter_ci95"}
+    assert values(written) == {"bleu": scores["bleu"], "ter": scores["ter"]}
+    flat = flat_metrics({"test": written})
+    assert flat["test_bleu"] == scores["bleu"]
+    assert [flat["test_ter_ci_low"], flat["test_ter_ci_high"]] == scores["ter_ci95"]
+    assert set(flat_metrics({"test": {"bleu": 40.0}})) == {"test_bleu"}  # a file from before intervals
+
+
+def test_the_markdown_report_shows_the_interval_beside_the_score():
+    scores = {"test": score_lines(*_synthetic(10), "en", ("bleu",), bootstrap=BOOTSTRAP)}
+    row = _table_rows(markdown_report(scores, {}))[2]
+    half = (scores["test"]["bleu_ci95"][1] - scores["test"]["bleu_ci95"][0]) / 2
+    assert f"| {scores['test']['bleu']} ± {half:.1f} |" in re.sub(r" +", " ", row)

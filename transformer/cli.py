@@ -136,11 +136,77 @@ def translate(
 )
 @stage
 def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
-    """Scores translations as the score stage does and prints one JSON object:
-    {<metric>: value, <metric>_signature: sacreBLEU's signature}."""
+    """Scores translations as the score stage does and prints one JSON object: {<metric>: value,
+    <metric>_ci95: [low, high] (its 95% bootstrap interval), <metric>_signature: sacreBLEU's signature}."""
     from transformer.evaluation.score import score_files
 
     click.echo(json.dumps(score_files(hyps, refs, lang, metrics), indent=1))
+
+
+@main.command()
+@click.argument("systems", nargs=-1, required=True)
+@click.option(
+    "--refs",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="references, line for line; its name without the language suffix names the test set",
+)
+@click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    type=click.Choice(CHOICES["score.metrics"]),
+    default=CHOICES["score.metrics"],
+    show_default=True,
+    help="given once per metric",
+)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
+@stage
+def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str, ...], as_json: bool) -> None:
+    """Compares SYSTEMS on one test set, the first the baseline. Each is a translation file, or a git revision
+    or DVC experiment whose decode@<testset> output DVC reads. Prints each score with its 95% interval, the
+    difference to the baseline with its interval, and the p-values of sacreBLEU's paired approximate
+    randomization and paired bootstrap tests, with the signature."""
+    from transformer.evaluation.compare import compare as compared
+    from transformer.evaluation.compare import load_system, markdown
+    from transformer.io import read_lines
+
+    testset = refs.name.split(".")[0]
+    found = compared([(s, load_system(s, testset)) for s in systems], read_lines(refs), lang, metrics)
+    click.echo(json.dumps({"testset": testset, "metrics": found}, indent=1) if as_json else markdown(found, testset))
+
+
+@main.command("score-model")
+@click.option(
+    "--model",
+    "model_paths",
+    required=True,
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="a model file; given more than once, the ensemble scores",
+)
+@click.option("--source", required=True, type=click.Path(path_type=Path), help="raw source text, one sentence a line")
+@click.option("--target", required=True, type=click.Path(path_type=Path), help="raw translations, line for line")
+@stage
+def score_model(model_paths: tuple[Path, ...], source: Path, target: Path) -> None:
+    """Forced decoding: prints each target line's log P(target | source) under the model, one a line, the
+    score `translate --scores` gives a translation the search finds; then, on stderr, the total, the tokens
+    it sums over (subwords and each line's </s>) and the mean per token."""
+    from transformer.decoding.translate import Translator
+    from transformer.io import DataError, read_lines
+
+    sources, targets = read_lines(source), read_lines(target)
+    if len(sources) != len(targets):
+        raise DataError(f"{target}: has {len(targets)} lines but the source {source} has {len(sources)}")
+    try:
+        scored = Translator.load(model_paths).score(sources, targets)
+    except DataError as e:
+        raise DataError(f"{source}, {target}: {e}") from None
+    click.echo("".join(f"{s.score:.4f}\n" for s in scored), nl=False)
+    total, tokens = sum(s.score for s in scored), sum(s.tokens for s in scored)
+    mean = f"{total / tokens:.4f}" if tokens else "-"
+    click.echo(f"total {total:.4f} over {tokens} tokens, {mean} per token", err=True)
 
 
 @main.command()

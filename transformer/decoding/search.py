@@ -115,6 +115,27 @@ def one_path(
     return out
 
 
+@torch.no_grad()
+def forced(model, src: torch.Tensor, targets: list[list[int]], bos: int, eos: int) -> list[float]:
+    """log P(target | source) of given outputs (ids without <s> and </s>), summed over their tokens and the
+    </s> after them: the log_prob a search reports for that output when it ends in </s>. The targets go
+    through start and step a token at a time, as a search feeds its own choices, so an ensemble scores
+    as it searches."""
+    state = model.start(src)
+    rows = len(targets)
+    gold = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor([*t, eos]) for t in targets], batch_first=True, padding_value=eos
+    ).to(src.device)  # (B, T + 1)
+    last_position = torch.tensor([len(t) for t in targets], device=src.device)  # where each </s> is
+    total = torch.zeros(rows, device=src.device)
+    last = torch.full((rows,), bos, device=src.device)
+    for t in range(gold.size(1)):
+        picked = model.step(state, last).gather(1, gold[:, t : t + 1]).squeeze(1)  # (B,)
+        total = total + torch.where(t <= last_position, picked, 0.0)
+        last = gold[:, t]
+    return total.tolist()
+
+
 def beam_search(
     model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, bos: int, eos: int
 ) -> list[list[int]]:

@@ -15,7 +15,7 @@ import torch
 
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, fingerprint, model_vocabs
-from transformer.decoding.search import Ensemble, Hypothesis, beam_search_nbest
+from transformer.decoding.search import Ensemble, Hypothesis, beam_search_nbest, forced
 from transformer.decoding.search import sample as draw_samples
 from transformer.io import DataError
 from transformer.model.model import load_members
@@ -31,6 +31,15 @@ class Translation:
     score: float
     """log P(translation | source) under the model, in nats, summed over its tokens and the `</s>`
     that ended it."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A given translation's score under the model (log P(translation | source), in nats, as Translation's)
+    and the tokens it sums over: the target's subwords and the </s> that ends it."""
+
+    score: float
+    tokens: int
 
 
 class LongSourceWarning(UserWarning):
@@ -147,12 +156,23 @@ class Translator:
         rows = nbest if sample else beam  # decoder rows per sentence
         return self._decode(lines, run, rows, max_len_extra, batch_tokens, progress)
 
+    def score(self, sources: list[str], targets: list[str], batch_tokens: int | None = None) -> list[Scored]:
+        """Forced decoding: each raw target's log-probability given its raw source, the score beam search
+        gives a translation it finds (Translation.score), for translations the model did not choose: a
+        reference, another system's output. Batched by source length, `batch_tokens` source tokens a
+        batch (default: the model's decode params). An empty source scores only an empty target (0.0),
+        as translate gives an empty line an empty translation."""
+        src = _encoded(self.src_vocab, self.tokenize(sources))
+        tgt = [self.tgt_vocab.encode(line) for line in Tokenizer(self.params["data"]["tgt_lang"]).pipe(targets)]
+        found = forced_batches(self.model, src, tgt, batch_tokens or self.params["decode"]["batch_tokens"], self.device)
+        return [Scored(log_prob, len(t) + 1) if s else Scored(0.0, 0) for s, t, log_prob in zip(src, tgt, found)]
+
     def _decode(
         self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int, progress: bool
     ) -> list[list[Translation]]:
         from tqdm import tqdm
 
-        encoded = [self.src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]
+        encoded = _encoded(self.src_vocab, lines)
         limits = [self._max_len(i, line, len(ids), max_len_extra) for i, (line, ids) in enumerate(zip(lines, encoded))]
         out = [[Translation("", 0.0)] for _ in lines]
         bar = tqdm(
@@ -180,6 +200,30 @@ class Translator:
             stacklevel=2,
         )
         return bound
+
+
+def _encoded(src_vocab, lines: list[str]) -> list[list[int]]:
+    """Tokenized source lines as the encoder reads them, each ended by </s>; an empty line stays empty."""
+    return [src_vocab.encode(line) + [EOS] if line.strip() else [] for line in lines]
+
+
+def forced_batches(
+    model, src: list[list[int]], tgt: list[list[int]], batch_tokens: int, device: torch.device
+) -> list[float]:
+    """search.forced's log P(tgt | src) of each pair, in batches of about batch_tokens source tokens, shortest
+    sources first, as the decode stage batches its search; 0.0 for an empty source, which nothing scores."""
+    if len(src) != len(tgt):
+        raise DataError(f"{len(src)} sources but {len(tgt)} targets")
+    for i, (s, t) in enumerate(zip(src, tgt)):
+        if not s and t:
+            raise DataError(f"line {i + 1}: an empty source has no translation but an empty one")
+    out = [0.0] * len(src)
+    order = sorted((i for i, e in enumerate(src) if e), key=lambda i: len(src[i]))
+    for batch in _batches(order, src, batch_tokens):
+        found = forced(model, _padded(src, batch, device), [tgt[i] for i in batch], BOS, EOS)
+        for i, log_prob in zip(batch, found):
+            out[i] = log_prob
+    return out
 
 
 def _sample(model, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
@@ -262,11 +306,15 @@ def batched_search(
     (`rows` decoder rows per sentence), shortest sources first."""
     order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
     for batch in _batches(order, encoded, max(1, batch_tokens // rows)):
-        src = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(encoded[i]) for i in batch], batch_first=True, padding_value=PAD
-        ).to(device)
         max_len = torch.tensor([limits[i] for i in batch], device=device)
-        yield batch, run(src=src, max_len=max_len)
+        yield batch, run(src=_padded(encoded, batch, device), max_len=max_len)
+
+
+def _padded(encoded: list[list[int]], batch: list[int], device: torch.device) -> torch.Tensor:
+    """The batch's sources as one (B, S) tensor, padded at the end."""
+    return torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(encoded[i]) for i in batch], batch_first=True, padding_value=PAD
+    ).to(device)
 
 
 def _batches(order: list[int], encoded: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer.config import METRICS, Params
+from transformer.evaluation.score import interval, values, with_interval
 from transformer.io import DataError, read_json
 
 ANCHORS = Path(__file__).with_name("anchors.yaml")
@@ -61,7 +62,8 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table's lines; a "|" inside a cell (sacreBLEU signatures have them) is escaped."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
@@ -85,13 +87,16 @@ def headline(
         for kind in KINDS
     ]
     total = sum(t["wall_s"] for t in timings.values())
-    row = [d.corpus, _direction(params), testset] + [s.get(m, "-") for m in METRICS] + beside + [_minutes(total)]
-    return _table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
+    cells = [with_interval(s[m], interval(s, m)) if m in s else "-" for m in METRICS]
+    row = [d.corpus, _direction(params), testset, *cells, *beside, _minutes(total)]
+    return markdown_table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
 
 
 def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], kind: str) -> list[str]:
-    """Our score beside each anchor of `kind`, in the anchor's metric."""
-    rows = []
+    """Our score beside each anchor of `kind`, in the anchor's metric; where our scores have 95% intervals,
+    whether the anchor's figure lies inside ours, which says how far the test set's sampling alone reaches,
+    not whether the two systems differ."""
+    rows, where = [], []
     for a in (a for a in anchors if a["kind"] == kind):
         ours = scores.get(a["testset"], {}).get(a["metric"])
         diff = f"{ours - a['bleu']:+.2f}" if isinstance(ours, (int, float)) else "-"
@@ -106,20 +111,35 @@ def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]],
                 a["source"],
             ]
         )
+        where.append(_inside(a["bleu"], interval(scores.get(a["testset"], {}), a["metric"]), kind))
     if not rows:
         return [f"No {kind} figure is on record for this corpus and direction (transformer/evaluation/anchors.yaml)."]
-    return _table(
-        ["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"], rows
-    )
+    header = ["test set", "metric", kind, "ours", f"ours − {kind}", f"how the {kind} figure was obtained", "source"]
+    if any(w != "-" for w in where):  # without intervals the table stays as it was
+        header.insert(5, f"the {kind} figure and our 95% interval")
+        rows = [[*row[:5], w, *row[5:]] for row, w in zip(rows, where)]
+    return markdown_table(header, rows)
+
+
+def _inside(figure: float, ci95: list[float] | None, kind: str) -> str:
+    if not ci95:
+        return "-"
+    low, high = ci95
+    span = f"our 95% interval [{low}, {high}]"
+    if figure < low:
+        return f"outside: the {kind} figure is below {span}"
+    if figure > high:
+        return f"outside: the {kind} figure is above {span}"
+    return f"inside {span}"
 
 
 def score_table(scores: dict[str, dict[str, Any]], signatures: dict[str, dict[str, str]]) -> list[str]:
     rows = [
-        [t, METRICS.get(m, m), v, f"`{signatures.get(t, {}).get(m, '-')}`"]
+        [t, METRICS.get(m, m), with_interval(v, interval(s, m)), f"`{signatures.get(t, {}).get(m, '-')}`"]
         for t, s in scores.items()
-        for m, v in s.items()
+        for m, v in values(s).items()
     ]
-    return _table(["test set", "metric", "score", "sacreBLEU signature"], rows)
+    return markdown_table(["test set", "metric", "score", "sacreBLEU signature"], rows)
 
 
 def recipe(params: Params, model: dict[str, Any]) -> list[str]:
@@ -169,7 +189,7 @@ def recipe(params: Params, model: dict[str, Any]) -> list[str]:
         ["decoding", f"beam {p.decode.beam}, α {p.decode.alpha}, max length source + {p.decode.max_len_extra}"],
         ["training time", model["training time"]],
     ]
-    return _table(["", ""], rows)
+    return markdown_table(["", ""], rows)
 
 
 def _averaged(k: int, select: str) -> str:
@@ -190,7 +210,7 @@ def timing_table(timings: dict[str, dict[str, Any]]) -> list[str]:
         resumed = f" ({_minutes(t['resumed_s'])} of it before a resume)" if t.get("resumed_s") else ""
         rows.append([name, _minutes(t["wall_s"]) + resumed, t["finished"]])
     rows.append(["**total**", f"**{_minutes(sum(t['wall_s'] for t in timings.values()))}**", ""])
-    return _table(["stage", "wall time", "finished (UTC)"], rows)
+    return markdown_table(["stage", "wall time", "finished (UTC)"], rows)
 
 
 def section(

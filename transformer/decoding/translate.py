@@ -173,7 +173,10 @@ class Translator:
         from tqdm import tqdm
 
         encoded = _encoded(self.src_vocab, lines)
-        limits = [self._max_len(i, line, len(ids), max_len_extra) for i, (line, ids) in enumerate(zip(lines, encoded))]
+        bound = functools.partial(
+            _length_bound, max_len_extra=max_len_extra, longest=self.params["tokenize"]["max_len"]
+        )
+        limits = [bound(line, len(ids), index=i) for i, (line, ids) in enumerate(zip(lines, encoded))]
         out = [[Translation("", 0.0)] for _ in lines]
         bar = tqdm(
             total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1
@@ -186,20 +189,21 @@ class Translator:
         bar.close()
         return out
 
-    def _max_len(self, index: int, line: str, length: int, max_len_extra: int) -> int:
-        """Source length + max_len_extra; a source longer than training's longest (tokenize.max_len tokens)
-        gets the bound of its first tokenize.max_len tokens, and a LongSourceWarning."""
-        words, longest = len(line.split()), self.params["tokenize"]["max_len"]
-        if words <= longest:
-            return length + max_len_extra
-        bound = math.ceil(length * longest / words) + max_len_extra
-        warnings.warn(
-            f"line {index + 1}: {words} tokens, longer than any source the model was trained on "
-            f"(tokenize.max_len = {longest}); its translation stops at {bound} tokens",
-            LongSourceWarning,
-            stacklevel=2,
-        )
-        return bound
+
+def _length_bound(line: str, length: int, *, index: int, max_len_extra: int, longest: int) -> int:
+    """Source length + max_len_extra; a source longer than training's longest (tokenize.max_len tokens,
+    `longest`) gets the bound of its first `longest` tokens, and a LongSourceWarning."""
+    words = len(line.split())
+    if words <= longest:
+        return length + max_len_extra
+    bound = math.ceil(length * longest / words) + max_len_extra
+    warnings.warn(
+        f"line {index + 1}: {words} tokens, longer than any source the model was trained on "
+        f"(tokenize.max_len = {longest}); its translation stops at {bound} tokens",
+        LongSourceWarning,
+        stacklevel=2,
+    )
+    return bound
 
 
 def _encoded(src_vocab, lines: list[str]) -> list[list[int]]:

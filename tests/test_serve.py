@@ -69,6 +69,8 @@ def test_pyfunc_model_translates_as_the_translator_does(pyfunc_dir, model_and_vo
     assert loaded.predict(SENTENCES) == Translator.load(model_and_vocab[0], device="cpu").translate(SENTENCES)
     inputs = loaded.metadata.get_input_schema().input_types()
     assert [t.name for t in inputs] == ["string"]  # the signature: a column of strings
+    for module in ("serving/serving.py", "serving/batcher.py", "decoding/translate.py", "model/model.py"):
+        assert (pyfunc_dir / "code" / "transformer" / module).is_file(), module  # the model carries the package
 
 
 def test_pyfunc_model_refuses_a_vocabulary_other_than_the_models(model_and_vocab, tmp_path):
@@ -357,3 +359,21 @@ def test_a_lone_request_is_not_held_for_the_window_and_a_bad_setting_is_named(py
     monkeypatch.setenv("TRANSFORMER_SERVE_BATCH_TOKENS", "0")
     with pytest.raises(ValueError, match="TRANSFORMER_SERVE_BATCH_TOKENS = '0': expected a whole number >= 1"):
         mlflow.pyfunc.load_model(str(pyfunc_dir))
+
+
+def test_in_the_servers_event_loop_every_admitted_request_reaches_predict_at_once(pyfunc_dir):
+    """MLflow's server runs predict through asyncio.to_thread; the default pool (cores + 4 threads)
+    would hold all but a few concurrent requests back from the batcher."""
+    import asyncio
+    import threading
+
+    import mlflow
+
+    from transformer.serving.serving import ADMITTED
+
+    async def serve() -> None:
+        mlflow.pyfunc.load_model(str(pyfunc_dir))  # as the server loads it: inside its running event loop
+        together = threading.Barrier(ADMITTED)  # broken after 10 s unless ADMITTED threads wait at once
+        await asyncio.gather(*(asyncio.to_thread(together.wait, 10) for _ in range(ADMITTED)))
+
+    asyncio.run(serve())

@@ -26,6 +26,7 @@ MESSAGE_LIMIT = 240  # characters of an error's message: its start and its end, 
 WINDOW_MS = "TRANSFORMER_SERVE_WINDOW_MS"  # how long a search waits for requests still being prepared
 BATCH_TOKENS = "TRANSFORMER_SERVE_BATCH_TOKENS"  # source tokens a search takes, at most (beyond one request)
 THREADS = "TRANSFORMER_SERVE_THREADS"  # torch's threads in a server process; unset: torch's default
+ADMITTED = 64  # requests a server process lets into predict at once; the others wait for one to leave
 EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 
 
@@ -42,6 +43,7 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         from transformer.decoding.translate import Translator
 
         _clip_server_errors()
+        _admit_concurrent_requests()
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
@@ -129,6 +131,24 @@ def _clip_server_errors() -> None:
     server.invocations = clipping
 
 
+def _admit_concurrent_requests() -> None:
+    """In the process of MLflow's scoring server: up to ADMITTED requests reach predict at once.
+
+    The server runs each request's predict through asyncio.to_thread, on its event loop's default
+    pool of min(32, cores + 4) threads: on 2 cores a seventh concurrent request waited for a thread
+    before the batcher could see it, so no search ever held more than six requests. A thread in
+    predict spends its time waiting for its search, so a wider pool costs little. The server loads
+    the model inside its running event loop; anywhere else (a notebook, a test) nothing changes."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=ADMITTED, thread_name_prefix="predict"))
+
+
 def _batching(default_tokens: int) -> tuple[float, int, int]:
     """The window (seconds), the cap of a search's source tokens and torch's threads (0: torch's
     default), from the server's environment; a value that is not a whole number in range stops the
@@ -164,7 +184,7 @@ def _options(model_path: Path, vocab_path: Path) -> dict[str, Any]:
     a list of strings in and out, comes from predict's type hints)."""
     from importlib.metadata import version
 
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # all of `transformer`, which the model's code imports
     requirements = [
         f"{name}=={version(name)}" for name in ("torch", "mlflow", "sentencepiece", "spacy", "tqdm", "pandas")
     ]

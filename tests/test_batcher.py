@@ -126,3 +126,20 @@ def test_a_request_whose_deadline_passed_while_it_waited_is_not_translated():
     with pytest.raises(TimeoutError):
         late.result(10)
     assert on_time.result(10) == ["ON TIME"] and translate.searches[1:] == [["on time"]]
+
+
+def test_after_a_search_of_several_requests_the_next_waits_out_the_window_for_more():
+    translate = Scripted()
+    batcher = Batcher(translate, window=0.5, max_tokens=1000)
+    translate.gate.clear()
+    _send(batcher, ["hold"])
+    _wait_until(lambda: translate.searches)
+    pair = [_send(batcher, ["x"]), _send(batcher, ["y"])]
+    _wait_until(lambda: batcher.waiting == 2)
+    translate.gate.set()
+    assert [answer.result(10) for answer in pair] == [["X"], ["Y"]]  # one search served both
+    first = _send(batcher, ["a"])
+    time.sleep(0.1)  # a caller answered by that search sends again, within the window
+    second = _send(batcher, ["b"])
+    assert (first.result(10), second.result(10)) == (["A"], ["B"])
+    assert translate.searches == [["hold"], ["x", "y"], ["a", "b"]]

@@ -30,7 +30,9 @@ class Batcher:
     takes every request waiting, up to `max_tokens` source tokens (and always the oldest, however
     large), and translates them with one call of `translate(lines, timeout)`. While other callers
     are still preparing, it waits for them, at most `window` seconds from the oldest waiting
-    request: a lone request is translated at once, and requests arriving together share a search.
+    request; after a search that served several requests it waits out the window from that
+    search's end, since under load the callers it answered are about to send again. A lone request
+    on a quiet server is translated at once, and requests arriving together share a search.
     Requests that come in while a search runs wait for the next one. A single decoding thread also
     keeps torch's thread pool to one caller, so concurrent requests do not oversubscribe the cores.
 
@@ -43,6 +45,7 @@ class Batcher:
         self._changed = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._preparing = 0
+        self._served, self._ended = 0, 0.0  # the last search's requests, and when it ended
         threading.Thread(target=self._serve, name="translation batcher", daemon=True).start()
 
     @property
@@ -79,13 +82,19 @@ class Batcher:
 
     def _serve(self) -> None:
         while True:
-            self._run(self._next_batch())
+            batch = self._next_batch()
+            self._run(batch)
+            with self._changed:
+                self._served, self._ended = len(batch), time.monotonic()
 
     def _next_batch(self) -> list[_Request]:
         with self._changed:
             self._changed.wait_for(lambda: self._waiting)
-            closes = self._waiting[0].since + self.window
-            while self._preparing and sum(r.tokens for r in self._waiting) < self.max_tokens:
+            # Under load, the callers the last search answered send their next requests within moments:
+            # after a search of several requests, wait out the window for them as for callers preparing.
+            loaded = self._served > 1
+            closes = max(self._waiting[0].since, self._ended if loaded else 0) + self.window
+            while (self._preparing or loaded) and sum(r.tokens for r in self._waiting) < self.max_tokens:
                 if not self._changed.wait(closes - time.monotonic()):
                     break  # the window closed
             batch, tokens = [], 0

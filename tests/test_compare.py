@@ -82,10 +82,13 @@ def test_systems_of_another_test_set_are_refused_naming_the_file(tmp_path):
     assert f"error: {files[1]}: has 59 lines but the reference has 60; not the same test set" in result.output
 
 
-def test_one_system_is_refused(tmp_path):
+def test_one_system_or_one_group_is_refused(tmp_path):
     refs, good, _ = _corpus()
-    result = _compare(_write(tmp_path / "a.txt", good), "--refs", _write(tmp_path / "t.en", refs), "--lang", "en")
+    system, reference = _write(tmp_path / "a.txt", good), ["--refs", _write(tmp_path / "t.en", refs), "--lang", "en"]
+    result = _compare(system, *reference)
     assert result.exit_code == 1 and "error: compare needs two systems or more" in result.output
+    group = _compare(f"{system},{system}", *reference)
+    assert group.exit_code == 1 and "error: compare needs two groups or more" in group.output
 
 
 def test_a_missing_file_outside_a_project_is_named(tmp_path, monkeypatch):

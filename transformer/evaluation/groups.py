@@ -36,7 +36,8 @@ def compare_groups(
 ) -> dict[str, Any]:
     """{metric: {signature, groups: [{group, systems, scores, mean, sd[, diff, test, p]}]}}, the first group the
     baseline; `groups` holds (name, [(system, translations)]) pairs. sd is the sample standard deviation (None
-    for a single system) and p the t-test's two-sided p-value."""
+    for a single system) and p the t-test's two-sided p-value, all taken over the scores as printed (two
+    decimals, as scores.json holds them), so that a reader can recompute them from the table."""
     if len(groups) < 2:
         raise DataError("compare needs two groups or more: a baseline and what to compare with it")
     baseline, *others = groups

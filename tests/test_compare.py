@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -22,9 +23,12 @@ def _corpus(n: int = 60) -> tuple[list[str], list[str], list[str]]:
     """References, a good system (about 1 word in 10 wrong) and a worse one (about 4 in 10)."""
     rng = random.Random(0)
     refs = [" ".join(rng.choices(WORDS, k=10)) for _ in range(n)]
-    good = [" ".join(w if rng.random() < 0.9 else "cat" for w in r.split()) for r in refs]
-    worse = [" ".join(w if rng.random() < 0.6 else "cat" for w in r.split()) for r in refs]
-    return refs, good, worse
+    return refs, _noisy(refs, 0.9, rng), _noisy(refs, 0.6, rng)
+
+
+def _noisy(refs: list[str], kept: float, rng: random.Random) -> list[str]:
+    """The references with each word kept with probability `kept`, else replaced."""
+    return [" ".join(w if rng.random() < kept else "cat" for w in r.split()) for r in refs]
 
 
 def _write(path: Path, lines: list[str]) -> str:
@@ -64,7 +68,7 @@ def test_a_system_against_itself_differs_by_nothing_and_a_worse_one_significantl
 def test_a_system_of_the_same_quality_is_not_called_significantly_different():
     refs, good, _ = _corpus()
     rng = random.Random(1)
-    alike = [" ".join(w if rng.random() < 0.9 else "cat" for w in r.split()) for r in refs]  # good's noise, redrawn
+    alike = _noisy(refs, 0.9, rng)  # good's noise, redrawn
     (_, other) = compare([("good", good), ("alike", alike)], refs, "en", ("bleu",))["bleu"]["systems"]
     assert other["p_ar"] > 0.05 and other["p_bs"] > 0.05
     assert other["diff_ci95"][0] < 0 < other["diff_ci95"][1]
@@ -78,10 +82,13 @@ def test_systems_of_another_test_set_are_refused_naming_the_file(tmp_path):
     assert f"error: {files[1]}: has 59 lines but the reference has 60; not the same test set" in result.output
 
 
-def test_one_system_is_refused(tmp_path):
+def test_one_system_or_one_group_is_refused(tmp_path):
     refs, good, _ = _corpus()
-    result = _compare(_write(tmp_path / "a.txt", good), "--refs", _write(tmp_path / "t.en", refs), "--lang", "en")
+    system, reference = _write(tmp_path / "a.txt", good), ["--refs", _write(tmp_path / "t.en", refs), "--lang", "en"]
+    result = _compare(system, *reference)
     assert result.exit_code == 1 and "error: compare needs two systems or more" in result.output
+    group = _compare(f"{system},{system}", *reference)
+    assert group.exit_code == 1 and "error: compare needs two groups or more" in group.output
 
 
 def test_a_missing_file_outside_a_project_is_named(tmp_path, monkeypatch):
@@ -91,6 +98,98 @@ def test_a_missing_file_outside_a_project_is_named(tmp_path, monkeypatch):
         _write(tmp_path / "a.txt", good), "b.txt", "--refs", _write(tmp_path / "t.en", refs), "--lang", "en"
     )
     assert result.exit_code == 1 and "error: b.txt: no such file;" in result.output
+
+
+def _seeds(tmp_path: Path, name: str, kept: float, refs: list[str]) -> str:
+    """Three systems of one quality, as three seeds of a recipe would give, as a group argument a,b,c."""
+    rng = random.Random(name)
+    return ",".join(_write(tmp_path / f"{name}{seed}.txt", _noisy(refs, kept, rng)) for seed in (1, 2, 3))
+
+
+def _bleu(system: str, refs: list[str]) -> float:
+    return score_lines(Path(system).read_text().splitlines(), refs, "en", ("bleu",))["bleu"]
+
+
+def test_groups_get_their_mean_and_spread_over_systems_and_welchs_t_test_against_the_first(tmp_path):
+    from scipy.stats import ttest_ind
+
+    refs, *_ = _corpus()
+    good, worse = (_seeds(tmp_path, name, kept, refs) for name, kept in (("good", 0.9), ("worse", 0.8)))
+    args = [good, worse, good, "--refs", _write(tmp_path / "test2016.en", refs), "--lang", "en", "--metric", "bleu"]
+    result = _compare(*args, "--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    baseline, other, same = found["metrics"]["bleu"]["groups"]
+    scores = {g: [_bleu(s, refs) for s in g.split(",")] for g in (good, worse)}
+    for row, group in ((baseline, good), (other, worse)):
+        assert row["group"] == group and row["systems"] == group.split(",") and row["scores"] == scores[group]
+        assert row["mean"] == round(statistics.fmean(scores[group]), 2)
+        assert row["sd"] == round(statistics.stdev(scores[group]), 2) > 0
+    assert "diff" not in baseline and other["diff"] == round(other["mean"] - baseline["mean"], 2) < 0
+    assert other["test"] == "welch"
+    assert other["p"] == round(ttest_ind(scores[worse], scores[good], equal_var=False).pvalue, 4) < 0.05
+    assert same["diff"] == 0 and same["p"] == 1.0
+    assert found["metrics"]["bleu"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    table = _compare(*args).stdout
+    assert "| group | systems | BLEU mean ± sd | scores | − baseline | p |" in table
+    assert (
+        f"| {good} | 3 | {baseline['mean']} ± {baseline['sd']} | {', '.join(map(str, scores[good]))} | baseline |"
+        in table
+    )
+    assert f"| {other['p']} (Welch's t-test) |" in table
+
+
+def test_groups_without_spread_get_p_1_where_their_scores_are_equal_and_0_where_they_differ(tmp_path):
+    refs, good, worse = _corpus()
+    same, other = _write(tmp_path / "good.txt", good), _write(tmp_path / "worse.txt", worse)
+    groups = [f"{same},{same}", f"{same},{same},{same}", f"{other},{other}"]
+    result = _compare(*groups, "--refs", _write(tmp_path / "t.en", refs), "--lang", "en", "--metric", "chrf", "--json")
+    assert result.exit_code == 0, result.output
+    baseline, equal, differing = json.loads(result.stdout)["metrics"]["chrf"]["groups"]
+    assert baseline["sd"] == equal["sd"] == differing["sd"] == 0
+    assert equal["diff"] == 0 and equal["p"] == 1.0
+    assert differing["diff"] < 0 and differing["p"] == 0
+
+
+def test_a_single_system_against_a_group_gets_students_t_test_and_two_single_systems_are_refused(tmp_path):
+    from scipy.stats import ttest_ind
+
+    refs, good, worse = _corpus()
+    group = _seeds(tmp_path, "good", 0.9, refs)
+    single, other = _write(tmp_path / "worse.txt", worse), _write(tmp_path / "good.txt", good)
+    reference = ["--refs", _write(tmp_path / "test2016.en", refs), "--lang", "en", "--metric", "bleu", "--json"]
+    result = _compare(group, single, *reference)
+    assert result.exit_code == 0, result.output
+    _, row = json.loads(result.stdout)["metrics"]["bleu"]["groups"]
+    seeds, alone = [_bleu(s, refs) for s in group.split(",")], _bleu(single, refs)
+    assert row["scores"] == [alone] and row["sd"] is None and row["test"] == "student"
+    assert row["p"] == round(ttest_ind([alone], seeds).pvalue, 4) < 0.05
+    assert row["diff"] == round(alone - round(statistics.fmean(seeds), 2), 2)
+    refused = _compare(single, other, group, *reference)
+    assert refused.exit_code == 1 and refused.stdout == ""
+    assert f"error: {other}: a single system against the single baseline {single}: a t-test needs" in refused.output
+
+
+def test_a_group_with_a_system_of_another_test_set_is_refused_naming_it(tmp_path):
+    refs, good, _ = _corpus()
+    short = _write(tmp_path / "short.txt", good[:-1])
+    group = _seeds(tmp_path, "good", 0.9, refs)
+    result = _compare(
+        group, f"{group.split(',')[0]},{short}", "--refs", _write(tmp_path / "t.en", refs), "--lang", "en"
+    )
+    assert result.exit_code == 1 and result.stdout == ""
+    assert f"error: {short}: has 59 lines but the reference has 60; not the same test set" in result.output
+
+
+def test_a_file_whose_name_has_a_comma_is_one_system_and_an_empty_group_member_is_refused(tmp_path):
+    refs, good, worse = _corpus()
+    comma, other = _write(tmp_path / "good,1.txt", good), _write(tmp_path / "worse.txt", worse)
+    reference = ["--refs", _write(tmp_path / "t.en", refs), "--lang", "en", "--metric", "bleu", "--json"]
+    result = _compare(comma, other, *reference)
+    assert result.exit_code == 0, result.output
+    assert [r["system"] for r in json.loads(result.stdout)["metrics"]["bleu"]["systems"]] == [comma, other]
+    empty = _compare(comma, f"{other},", *reference)
+    assert empty.exit_code == 1 and f"error: {other},: an empty system between commas" in empty.output
 
 
 def _git(repo: Path, *args: str) -> None:

@@ -167,14 +167,25 @@ def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str,
     """Compares SYSTEMS on one test set, the first the baseline. Each is a translation file, or a git revision
     or DVC experiment whose decode@<testset> output DVC reads. Prints each score with its 95% interval, the
     difference to the baseline with its interval, and the p-values of sacreBLEU's paired approximate
-    randomization and paired bootstrap tests, with the signature."""
-    from transformer.evaluation.compare import compare as compared
-    from transformer.evaluation.compare import load_system, markdown
+    randomization and paired bootstrap tests, with the signature.
+
+    Systems joined by commas (exp-a1,exp-a2,exp-a3: one recipe's seeds) form a group, and an existing file
+    is one system whatever its name. Given a group, every argument is a group (a system alone, one of one):
+    prints each group's mean and standard deviation over its systems, and the p-value of a t-test against the
+    first group (Welch's; Student's where one side is a single system)."""
+    from transformer.evaluation import compare as paired
+    from transformer.evaluation import groups
     from transformer.io import read_lines
 
     testset = refs.name.split(".")[0]
-    found = compared([(s, load_system(s, testset)) for s in systems], read_lines(refs), lang, metrics)
-    click.echo(json.dumps({"testset": testset, "metrics": found}, indent=1) if as_json else markdown(found, testset))
+    found_members = [groups.members(s) for s in systems]
+    if any(len(m) > 1 for m in found_members):
+        loaded = [(s, [(m, paired.load_system(m, testset)) for m in ms]) for s, ms in zip(systems, found_members)]
+        found, table = groups.compare_groups(loaded, read_lines(refs), lang, metrics), groups.markdown
+    else:
+        loaded = [(s, paired.load_system(s, testset)) for s in systems]
+        found, table = paired.compare(loaded, read_lines(refs), lang, metrics), paired.markdown
+    click.echo(json.dumps({"testset": testset, "metrics": found}, indent=1) if as_json else table(found, testset))
 
 
 @main.command("score-model")

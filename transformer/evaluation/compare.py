@@ -59,10 +59,15 @@ def compare(
     comes from paired resamples."""
     if len(systems) < 2:
         raise DataError("compare needs two systems or more: a baseline and what to compare with it")
+    check_lengths(systems, refs)
+    return {m: _compare_metric(m, systems, refs, lang) for m in metrics}
+
+
+def check_lengths(systems: list[tuple[str, list[str]]], refs: list[str]) -> None:
+    """Refuses, naming it, a system whose line count is not the reference's: translations of another test set."""
     for name, hyps in systems:
         if len(hyps) != len(refs):
             raise DataError(f"{name}: has {len(hyps)} lines but the reference has {len(refs)}; not the same test set")
-    return {m: _compare_metric(m, systems, refs, lang) for m in metrics}
 
 
 def _compare_metric(name: str, systems: list[tuple[str, list[str]]], refs: list[str], lang: str) -> dict[str, Any]:

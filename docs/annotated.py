@@ -41,7 +41,7 @@ from transformer.training.train import make_optimizer
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # models this small run fastest on one thread
-params = load_params("params.yaml")  # the default recipe, which the sections below set beside the paper's
+params = load_params("params.yaml")  # the default recipe, set beside the paper's below
 print("special tokens:", dict(zip(SPECIALS, range(len(SPECIALS)))))
 
 # %% [markdown]
@@ -254,7 +254,7 @@ with torch.device("meta"):
 print(f"paper's base model, shared 37k vocabulary: {count_parameters(base) / 1e6:.1f}M parameters")
 
 gap = 65e6 - count_parameters(base)
-print(f"Table 3's 65M minus this count: {gap / 1e6:.1f}M, as many as {gap / 512:,.0f} more rows of the shared matrix")
+print(f"Table 3's 65M minus this count: {gap / 1e6:.1f}M, the size of {gap / 512:,.0f} rows of the shared matrix")
 
 recipe, pieces = params.model, params.vocab.size
 with torch.device("meta"):
@@ -314,7 +314,7 @@ german = ["Ein Mann fährt Fahrrad.", "Zwei Männer fahren Fahrräder.", "Ein Hu
 english = ["A man rides a bicycle.", "Two men are riding bicycles.", "A dog runs across the street."]
 english += ["Two dogs are running across a street.", "A man is riding a bike."]
 tokenized = [Tokenizer("de")(line) for line in german] + [Tokenizer("en")(line) for line in english]
-bpe = BpeVocab.train(tokenized * 10, size=90, seed=1)  # the 4 specials and the pieces of a toy corpus
+bpe = BpeVocab.train(tokenized * 10, size=90, seed=1)  # 90 pieces, the 4 specials among them
 sentence = Tokenizer("en")("Two dogs ride bicycles.")
 ids = bpe.encode(sentence)
 print(f"default recipe: {params.vocab.kind}, {params.vocab.size} pieces; this toy model: {len(bpe)}")
@@ -369,7 +369,7 @@ print("a row of it:\n src    ", batch.src[0].tolist(), "\n tgt_in ", batch.tgt_i
 print(" tgt_out", batch.tgt_out[0].tolist())
 reference = json.loads(open("reports/train/train.json").read())
 epochs, updates_made = reference["epochs"], reference["steps"]
-print(f"default recipe: train.max_tokens {params.train.max_tokens} a side, {epochs} epochs, {updates_made} updates")
+print(f"default recipe: train.max_tokens {params.train.max_tokens}; {epochs} epochs, {updates_made} updates")
 print(f"that is {updates_made / epochs:.0f} updates an epoch; the paper's base model made 100,000")
 
 # %% [markdown]
@@ -474,10 +474,11 @@ logits[:, 4] = p.log()  # token 4 is the right one
 fig, ax = plt.subplots(figsize=(6, 3))
 for e in (0.0, eps):
     loss = torch.stack([smoothed_cross_entropy(row[None], torch.tensor([4]), PAD, e) for row in logits])
-    ax.plot(p, loss, label=f"smoothing {e}")
     best = int(loss.argmin())
+    ax.plot(p, loss, label=f"smoothing {e}")
+    ax.plot(p[best], loss[best], "ko")
     print(f"smoothing {e}: lowest loss {loss[best]:.3f} at p = {p[best]:.3f}; at p = {p[-1]:.4f}: {loss[-1]:.3f}")
-ax.set(xlabel="p, the model's probability of the right token", ylabel="loss", title="smoothing penalizes certainty")
+ax.set(xlabel="p, the probability of the right token", ylabel="loss", title="smoothing penalizes certainty")
 ax.legend()
 
 # %% [markdown]
@@ -503,11 +504,11 @@ print(inspect.getsource(rdrop_loss))
 # the term is positive; in evaluation mode the passes are equal and the term is 0:
 
 # %%
-noisy = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **(tiny | {"dropout": 0.3}))
+noisy = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **tiny | {"dropout": 0.3})
 for mode in ("training", "evaluation"):
     noisy.train(mode == "training")
     with torch.no_grad():
-        hidden = noisy(tokens.repeat(2, 1), tokens.repeat(2, 1))  # (2B, T, d_model): each row its own masks
+        hidden = noisy(tokens.repeat(2, 1), tokens.repeat(2, 1))  # (2B, T, d_model), each row its masks
         alpha = params.train.rdrop
         plain = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=0.0)
         both = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=alpha)
@@ -603,7 +604,8 @@ for hypothesis in nbest[0]:
 # that ranks among the `beam` best finishes there, and a sentence is done once `beam` hypotheses
 # have finished. A copier this sure of its first token leaves every other first token, `</s>`
 # among them, nearly impossible, so the runners-up that finish can include the empty one. It
-# ranks last or near it, and the best hypothesis is the one a translation uses.
+# ranks last or near it, and the best hypothesis is the one a translation uses. (The list above
+# may or may not show one: a machine that rounds differently trains a slightly different copier.)
 #
 # The length penalty is where this project departs from the paper: `decode.alpha` was tuned on
 # Multi30k's validation set, and values well above the paper's 0.6 won ("decode α" rows of
@@ -616,7 +618,7 @@ for hypothesis in nbest[0]:
 for alpha in (0.6, params.decode.alpha):
     lps = ", ".join(f"lp({n}) = {length_penalty(n, alpha):.2f}" for n in (5, 10, 20))
     ratio = length_penalty(20, alpha) / length_penalty(10, alpha)
-    print(f"alpha {alpha}: {lps}; 20 tokens tie 10 at {ratio:.2f} times their log P")
+    print(f"alpha {alpha}: {lps}; 20 tokens tie 10 with {ratio:.2f} times the log P")
 
 # %% [markdown]
 # Source attention of the trained copier on one sequence: each output position looks at the
@@ -705,14 +707,14 @@ for testset, metrics in scores.items():
 default = yaml.safe_load(open("params.yaml"))
 for section, values in yaml.safe_load(open("params/annotated_transformer.yaml")).items():
     for key, value in values.items():
-        if section not in ("report", "export"):  # names, not recipe
+        if section not in ("report", "export"):  # names, not the recipe
             print(f"  {section}.{key}: {default[section][key]} -> {value}")
 results = [line for line in open("README.md") if line.startswith(("| corpus", "| multi30k"))]
-table = [line.strip().strip("|").split("|") for line in results]
-header, *rows = [[cell.strip() for cell in row] for row in table]  # the results table: its header, then its rows
+header, *rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in results]
 column = {name: header.index(name) for name in ("direction", "test set", "BLEU")}
 bleu = {row[column["direction"]]: row[column["BLEU"]] for row in rows if row[column["test set"]] == "test2016"}
-print(f"test2016 BLEU: default {bleu['de→en']}, annotated_transformer {bleu['de→en (annotated_transformer)']}")
+ours, theirs = bleu["de→en"], bleu["de→en (annotated_transformer)"]
+print(f"test2016 BLEU: default {ours}, annotated_transformer {theirs}")
 
 # %% [markdown]
 # Both are single runs of one seed; the README says how far a seed alone moves a score.

@@ -270,15 +270,16 @@ print(
 # 37,000" pieces; the gap is what a few thousand more rows of the shared matrix would hold. The
 # default recipe is about a ninth of the base model: fewer and narrower layers and a smaller
 # vocabulary, because Multi30k's 29,000 training pairs are a small fraction of WMT 2014's 4.5
-# million, and a base model trained on them scores lower (the Annotated Transformer's recipe, at
-# the end of this page, trains one).
+# million sentence pairs (the Annotated Transformer's recipe, at the end of this page, trains the
+# base model on Multi30k).
 #
-# Now the factor $\sqrt{d_\text{model}}$ of section 3.4. With tied embeddings the matrix is also the
-# pre-softmax projection, and Xavier-uniform draws it for that role, with entries of standard
-# deviation $\sqrt{2 / (V + d_\text{model})}$: a row is much shorter than 1. A row of the positional
-# table has length $\sqrt{d_\text{model}/2}$, since each sine-cosine pair contributes 1. Unscaled,
-# the position would drown the token it is added to; the factor brings the two to the same order.
-# On the default recipe's model, its weights drawn this time:
+# Now the factor $\sqrt{d_\text{model}}$ of section 3.4, which the paper does not explain. With tied
+# embeddings the matrix is also the pre-softmax projection, and Xavier-uniform, drawn alike for
+# every matrix, gives its entries a standard deviation of $\sqrt{2 / (V + d_\text{model})}$: a row
+# is much shorter than 1. A row of the positional table has length $\sqrt{d_\text{model}/2}$, since
+# each sine-cosine pair contributes 1. Unscaled, the position would drown the token it is added to;
+# the factor brings the two to the same order. On the default recipe's model, its weights drawn
+# this time:
 
 # %%
 drawn = make_model(recipe, src_vocab=pieces, tgt_vocab=pieces, pad=PAD)
@@ -299,7 +300,7 @@ print(f"length of a position's encoding: {positions:.2f}")
 # people write it. Then one sentencepiece BPE model, learned from the training text of both
 # languages, cuts the tokens into pieces: frequent words stay whole, rare ones become a few
 # frequent pieces instead of `<unk>`. Sentencepiece marks a piece that begins a word with `▁`, so
-# `▁d og s` spells "dogs"; `▁￭.` is a full stop written right after the word before it. One
+# `▁dog s` spells "dogs"; `▁￭.` is a full stop written right after the word before it. One
 # vocabulary for both sides is what lets the source embedding, the target embedding and the
 # output projection be one matrix (section 3.4).
 #
@@ -419,12 +420,12 @@ fig.tight_layout()
 # ### Adam with weight decay
 #
 # The optimizer is the paper's Adam with the same $\beta_1$, $\beta_2$ and $\epsilon$, plus AdamW's
-# decoupled weight decay (Loshchilov and Hutter, 2019): each update also shrinks every weight
-# matrix and embedding by the rate times `train.weight_decay`, apart from the gradient's step,
-# while biases and the layer normalizations' gains are left alone. The paper uses no decay; on a
-# corpus as small as Multi30k, which a model can learn by heart, it helped a little ("weight_decay"
-# rows of [the experiments](experiments.md)). `make_optimizer` is what training calls; its
-# learning rate is 0 until the schedule sets it at every update.
+# decoupled weight decay (Loshchilov and Hutter, 2019): apart from the gradient's step, each
+# update shrinks every weight matrix and embedding by a fraction, the rate times
+# `train.weight_decay`, while biases and the layer normalizations' gains are left alone. The paper
+# uses no decay; on a corpus as small as Multi30k, which a model can learn by heart, it helped a
+# little ("weight_decay" rows of [the experiments](experiments.md)). `make_optimizer` is what
+# training calls; its learning rate is 0 until the schedule sets it at every update.
 
 # %%
 optimizer = make_optimizer(model, params.train.weight_decay, torch.device("cpu"))
@@ -483,18 +484,20 @@ ax.legend()
 
 # %% [markdown]
 # The default recipe keeps the paper's $\epsilon_{ls}$; the en→de recipe smooths more
-# (`params/multi30k_en_de.yaml`, and the "label_smoothing" rows of [the experiments](experiments.md)).
+# (`params/multi30k_en_de.yaml`, and the "label_smoothing" rows of
+# [the experiments](experiments.md)).
 #
 # ## R-Drop: two dropout passes that must agree
 #
 # The paper regularizes with dropout and label smoothing. This project adds R-Drop (Liang et al.,
 # 2021): a sentence goes through the model twice, each pass with its own dropout masks, and the
 # loss adds at every target position the symmetric KL divergence between the two passes'
-# next-token distributions, weighted by `train.rdrop`. The model learns to predict the same
-# whatever the mask, which is what inference, with dropout off, relies on. It costs a second pass
-# for each sentence it covers, so `train.rdrop_share` draws the share of each batch's sentences
-# that take one. On Multi30k it bought more than any other change ("R-Drop" and "train.rdrop"
-# rows of [the experiments](experiments.md)). The consistency term, as the package writes it:
+# next-token distributions, weighted by R-Drop's $\alpha$ (`train.rdrop`). The model learns to
+# predict the same whatever the mask, which is what inference, with dropout off, relies on. It
+# costs a second pass for each sentence it covers, so `train.rdrop_share` draws the share of each
+# batch's sentences that take one. On Multi30k it bought more than any other change ("R-Drop" and
+# "train.rdrop" rows of [the experiments](experiments.md)). The consistency term, as the package
+# writes it:
 
 # %%
 print(inspect.getsource(rdrop_loss))
@@ -520,8 +523,8 @@ for mode in ("training", "evaluation"):
 # The paper says nothing of number formats. This project trains in bfloat16 where the hardware
 # computes it natively (`train.precision: auto`): under `torch.autocast`, matrix products run in
 # bf16, a float32 cut to 8 bits of mantissa but with its full exponent range, so no loss scaling
-# is needed as with float16. Layer normalizations and softmaxes stay in float32, as do the
-# weights, the optimizer's state and the loss.
+# is needed as with float16. Layer normalizations stay in float32, as do the weights, the
+# optimizer's state and the loss.
 # It makes updates faster on CPUs and GPUs with bf16 units ([speed](speed.md)), and the "check
 # only" rows of [the experiments](experiments.md) compare scores across precisions.
 
@@ -697,11 +700,12 @@ for testset, metrics in scores.items():
 # The preset `params/annotated_transformer.yaml` trains the Annotated Transformer's Multi30k
 # de→en recipe with this project's code: `make preset P=annotated_transformer` builds
 # params.yaml from the default and the preset, and `dvc repro` runs it. It swaps the departures
-# above back out: word vocabularies, the paper's base model with its extra dropouts, its
-# schedule, Adam without weight decay, no R-Drop, no averaging, greedy decoding. Pre-norm stays,
-# as the Annotated Transformer normalizes that way too. What it keeps from this pipeline: token
-# batches instead of its 32 sentences padded to 72, sized to about as many sentences an update.
-# What the preset changes, and the two recipes' test2016 scores from the README's results table:
+# above back out: word vocabularies, the paper's base model with the Annotated Transformer's
+# extra dropouts, its schedule, Adam without weight decay, no R-Drop, no averaging, greedy
+# decoding. Pre-norm stays, as the Annotated Transformer normalizes that way too. What it keeps
+# from this pipeline: token batches instead of its 32 sentences padded to 72, sized to about as
+# many sentences an update. What the preset changes, and the two recipes' test2016 scores from
+# the README's results table:
 
 # %%
 default = yaml.safe_load(open("params.yaml"))

@@ -268,7 +268,7 @@ print(
 # The count follows the paper's description, biases and layer normalizations included, and falls
 # short of Table 3's 65M. The paper does not say how it counted, and its vocabulary is "about
 # 37,000" pieces; the gap is what a few thousand more rows of the shared matrix would hold. The
-# default recipe is about a ninth of the base model: fewer and narrower layers and a smaller
+# default recipe is about an eighth of the base model: fewer and narrower layers and a smaller
 # vocabulary, because Multi30k's 29,000 training pairs are a small fraction of WMT 2014's 4.5
 # million sentence pairs (the Annotated Transformer's recipe, at the end of this page, trains the
 # base model on Multi30k).
@@ -396,7 +396,7 @@ print(f"that is {updates_made / epochs:.0f} updates an epoch; the paper's base m
 # share of the `total` updates. Left: the paper's base model (4,000 warmup updates of 100,000).
 # Right: this project's default recipe, read from params.yaml, over the updates its reference run
 # made (`reports/train/train.json`). A run of a few thousand updates cannot spend 4,000 of them
-# warming up, so the default warms up for fewer and starts higher (`train.factor`); shorter
+# warming up, so the default warms up for fewer and peaks higher (`train.factor`); shorter
 # warmups than the default's did worse ("train.warmup" rows of [the experiments](experiments.md)).
 # The cooldown, which the paper does not have, brings the rate to 0 at the last update, so that
 # the run ends on settled weights ("train.cooldown" rows).
@@ -496,8 +496,9 @@ ax.legend()
 # predict the same whatever the mask, which is what inference, with dropout off, relies on. It
 # costs a second pass for each sentence it covers, so `train.rdrop_share` draws the share of each
 # batch's sentences that take one. On Multi30k it bought more than any other change ("R-Drop" and
-# "train.rdrop" rows of [the experiments](experiments.md)). The consistency term, as the package
-# writes it:
+# "train.rdrop" rows of [the experiments](experiments.md)). The loss with its consistency term, as
+# the package defines it (the docstring states the term; the arithmetic, with its gradient
+# written out for speed, lives in `transformer/kernels/`):
 
 # %%
 print(inspect.getsource(rdrop_loss))
@@ -508,11 +509,11 @@ print(inspect.getsource(rdrop_loss))
 
 # %%
 noisy = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **tiny | {"dropout": 0.3})
+alpha = params.train.rdrop
 for mode in ("training", "evaluation"):
     noisy.train(mode == "training")
     with torch.no_grad():
         hidden = noisy(tokens.repeat(2, 1), tokens.repeat(2, 1))  # (2B, T, d_model), each row its masks
-        alpha = params.train.rdrop
         plain = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=0.0)
         both = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=alpha)
     print(f"{mode}: summed cross-entropy {plain:.3f}, consistency term at alpha {alpha}: {both - plain:.4f}")
@@ -524,9 +525,9 @@ for mode in ("training", "evaluation"):
 # computes it natively (`train.precision: auto`): under `torch.autocast`, matrix products run in
 # bf16, a float32 cut to 8 bits of mantissa but with its full exponent range, so no loss scaling
 # is needed as with float16. Layer normalizations stay in float32, as do the weights, the
-# optimizer's state and the loss.
-# It makes updates faster on CPUs and GPUs with bf16 units ([speed](speed.md)), and the "check
-# only" rows of [the experiments](experiments.md) compare scores across precisions.
+# optimizer's state and the loss. It makes updates faster on CPUs and GPUs with bf16 units
+# ([speed](speed.md)), and the "check only" rows of [the experiments](experiments.md) compare
+# scores across precisions.
 
 # %%
 with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -79,3 +79,23 @@ def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):
     with pytest.raises(CellError, match=r"cell 2 failed(.|\n)*ZeroDivisionError"):
         run(source, tmp_path / "page.md")
     assert not (tmp_path / "page.md").exists()
+
+
+def test_the_page_shows_r_drops_loss_as_the_package_writes_it_today():
+    """The page prints the package's rdrop_loss with inspect.getsource; a change to it needs a new render."""
+    import inspect
+
+    from transformer.training.loss import rdrop_loss
+
+    code = "\n".join(c.text for c in cells(SOURCE.read_text()) if c.kind == "code")
+    assert "def rdrop_loss" not in code, "the page copies rdrop_loss instead of printing the package's"
+    assert inspect.getsource(rdrop_loss).rstrip("\n") in PAGE.read_text(), "docs/annotated.md shows an old rdrop_loss"
+
+
+def test_the_page_prints_the_readme_scores_of_the_default_and_the_annotated_transformers_recipe():
+    shown = re.search(r"test2016 BLEU: default (\d+\.\d+), annotated_transformer (\d+\.\d+)", PAGE.read_text())
+    assert shown, "docs/annotated.md prints no test2016 scores of the two recipes"
+    readme = (ROOT / "README.md").read_text()
+    for direction, score in zip(("de→en", "de→en (annotated_transformer)"), shown.groups()):
+        row = re.search(rf"^\| multi30k \| {re.escape(direction)} \| test2016 \| ([^|]+) \|", readme, flags=re.M)
+        assert row and row.group(1).strip() == score, f"{direction}: the page shows {score}, README another"

@@ -238,6 +238,50 @@ def test_the_docs_rule_catches_what_it_is_for():
     assert docs_page_problems("<!-- host classes -->\n| x | 333 GFLOP/s |\n<!-- /host classes -->\n") == []
 
 
+EXPERIMENTS_HEADER = "| recipe of | trial | recipe | seeds | Δ val BLEU | kept |"
+
+
+def experiments_problems(text: str) -> list[str]:
+    """What the experiments page's tables must keep: every table under a heading of its group and with
+    the one header, a date cell that is a date (YYYY-MM-DD) or "undated", dated rows oldest first."""
+    problems, heading, last = [], None, ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading, last = line, ""
+        elif line.startswith("| recipe of"):
+            if line != EXPERIMENTS_HEADER:
+                problems.append(f"another header: {line}")
+            if heading is None:
+                problems.append("a table under no group's heading")
+        elif line.startswith("| ") and not line.startswith("|---"):
+            date = line.split("|")[1].strip()
+            if date != "undated" and not re.fullmatch(r"20\d\d-\d\d-\d\d", date):
+                problems.append(f"a date cell neither a date nor 'undated': {date!r}")
+            elif date != "undated" and date < last:
+                problems.append(f"{heading}: {date} after {last}")
+            last = max(last, date) if date != "undated" else last
+    return problems
+
+
+def test_the_experiments_are_grouped_under_headings_with_one_date_format_oldest_first():
+    text = (ROOT / "docs" / "experiments.md").read_text(encoding="utf-8")
+    assert text.count(EXPERIMENTS_HEADER) >= 2, "the experiments are not grouped into tables"
+    assert experiments_problems(text) == []
+
+
+def test_the_experiments_rule_catches_what_it_is_for():
+    table = f"## A group\n\n{EXPERIMENTS_HEADER}\n|---|---|---|---|---|---|\n"
+    good = "| 2026-11-21 | a | b | 1 | +0.1 | kept |\n| undated | c | d | 1 | 0 | kept |\n"
+    assert experiments_problems(table + good) == []
+    for bad in (
+        table + "| 2026-11-22 | a | b | 1 | +0.1 | kept |\n| 2026-11-21 | c | d | 1 | 0 | kept |\n",
+        table + "| 2026-11-22 morning | a | b | 1 | +0.1 | kept |\n",
+        table + "|  | a | b | 1 | +0.1 | kept |\n",
+        f"{EXPERIMENTS_HEADER}\n| 2026-11-21 | a | b | 1 | +0.1 | kept |\n",
+    ):
+        assert experiments_problems(bad), bad
+
+
 @pytest.mark.slow
 def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(tmp_path):
     """docs/scale.md's commands for node 0 and node 1, with node0 and its port made local: two

@@ -161,7 +161,7 @@ def _batching(default_tokens: int) -> tuple[float, int, int]:
             raise ValueError(f"{name} = {text!r}: expected a whole number >= {least}")
         return int(text)
 
-    return read(WINDOW_MS, 10, 0) / 1000, read(BATCH_TOKENS, max(1, default_tokens), 1), read(THREADS, 0, 0)
+    return read(WINDOW_MS, 20, 0) / 1000, read(BATCH_TOKENS, max(1, default_tokens), 1), read(THREADS, 0, 0)
 
 
 def _sentences(model_input: list[str]) -> list[str]:

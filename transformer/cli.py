@@ -119,21 +119,28 @@ def translate(
             )
 
 
+def _scoring(command):
+    """The options that say how translations are scored, shared by score and compare."""
+    command = click.option(
+        "--metric",
+        "metrics",
+        multiple=True,
+        type=click.Choice(CHOICES["score.metrics"]),
+        default=CHOICES["score.metrics"],
+        show_default=True,
+        help="given once per metric",
+    )(command)
+    return click.option(
+        "--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)"
+    )(command)
+
+
 @main.command()
 @click.option(
     "--hyps", required=True, type=click.Path(path_type=Path), help="translations, one detokenized sentence a line"
 )
 @click.option("--refs", required=True, type=click.Path(path_type=Path), help="references, line for line")
-@click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
-@click.option(
-    "--metric",
-    "metrics",
-    multiple=True,
-    type=click.Choice(CHOICES["score.metrics"]),
-    default=CHOICES["score.metrics"],
-    show_default=True,
-    help="given once per metric",
-)
+@_scoring
 @stage
 def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     """Scores translations as the score stage does and prints one JSON object: {<metric>: value,
@@ -151,16 +158,7 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     type=click.Path(path_type=Path),
     help="references, line for line; its name without the language suffix names the test set",
 )
-@click.option("--lang", required=True, help="the target language (BLEU tok-lc tokenizes with its Moses rules)")
-@click.option(
-    "--metric",
-    "metrics",
-    multiple=True,
-    type=click.Choice(CHOICES["score.metrics"]),
-    default=CHOICES["score.metrics"],
-    show_default=True,
-    help="given once per metric",
-)
+@_scoring
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 @stage
 def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str, ...], as_json: bool) -> None:

@@ -44,18 +44,23 @@ def _wait_until(condition, seconds: float = 10) -> None:
         time.sleep(0.005)
 
 
+def _queued_behind_a_search(batcher: Batcher, translate: Scripted, requests: list[list[str]]) -> list[Future]:
+    """Sends `requests` while a first search, of the line "hold", runs; that search ends once they all wait."""
+    translate.gate.clear()
+    _send(batcher, ["hold"])
+    _wait_until(lambda: translate.searches)
+    answers = [_send(batcher, lines) for lines in requests]
+    _wait_until(lambda: batcher.waiting == len(requests))
+    translate.gate.set()
+    return answers
+
+
 def test_requests_waiting_behind_a_search_share_the_next_one_and_each_gets_its_own_lines():
     translate = Scripted()
     batcher = Batcher(translate, window=0.01, max_tokens=1000)
-    translate.gate.clear()
-    first = _send(batcher, ["a b"])
-    _wait_until(lambda: translate.searches)  # the first search runs, and holds
-    waiting = [_send(batcher, [f"x{i}", f"y{i} z"]) for i in range(5)]
-    _wait_until(lambda: batcher.waiting == 5)
-    translate.gate.set()
-    assert first.result(10) == ["A B"]
+    waiting = _queued_behind_a_search(batcher, translate, [[f"x{i}", f"y{i} z"] for i in range(5)])
     assert [w.result(10) for w in waiting] == [[f"X{i}", f"Y{i} Z"] for i in range(5)]
-    assert translate.searches == [["a b"], [line for i in range(5) for line in (f"x{i}", f"y{i} z")]]
+    assert translate.searches == [["hold"], [line for i in range(5) for line in (f"x{i}", f"y{i} z")]]
 
 
 def test_a_lone_request_is_translated_at_once_however_long_the_window():
@@ -89,13 +94,7 @@ def test_a_request_being_prepared_within_the_window_joins_the_search():
 def test_a_failed_search_fails_each_of_its_requests_and_the_next_search_runs():
     translate = Scripted(fail_on="boom")
     batcher = Batcher(translate, window=0.01, max_tokens=1000)
-    translate.gate.clear()
-    _send(batcher, ["first"])
-    _wait_until(lambda: translate.searches)
-    doomed = [_send(batcher, ["boom"]), _send(batcher, ["fine"])]
-    _wait_until(lambda: batcher.waiting == 2)
-    translate.gate.set()
-    for answer in doomed:
+    for answer in _queued_behind_a_search(batcher, translate, [["boom"], ["fine"]]):
         with pytest.raises(RuntimeError, match="search failed on 'boom'"):
             answer.result(10)
     assert _send(batcher, ["after"]).result(10) == ["AFTER"]
@@ -104,12 +103,7 @@ def test_a_failed_search_fails_each_of_its_requests_and_the_next_search_runs():
 def test_the_token_cap_splits_the_waiting_requests_and_a_larger_request_still_goes_alone():
     translate = Scripted()
     batcher = Batcher(translate, window=0.01, max_tokens=4)
-    translate.gate.clear()
-    _send(batcher, ["hold"])
-    _wait_until(lambda: translate.searches)
-    answers = [_send(batcher, lines) for lines in (["a"], ["b"], ["c d e f g h"], ["i"])]  # 2, 2, 7, 2 tokens
-    _wait_until(lambda: batcher.waiting == 4)
-    translate.gate.set()
+    answers = _queued_behind_a_search(batcher, translate, [["a"], ["b"], ["c d e f g h"], ["i"]])  # 2, 2, 7, 2 tokens
     assert [a.result(10) for a in answers] == [["A"], ["B"], ["C D E F G H"], ["I"]]
     assert translate.searches[1:] == [["a", "b"], ["c d e f g h"], ["i"]]
 
@@ -131,12 +125,7 @@ def test_a_request_whose_deadline_passed_while_it_waited_is_not_translated():
 def test_after_a_search_of_several_requests_the_next_waits_out_the_window_for_more():
     translate = Scripted()
     batcher = Batcher(translate, window=0.5, max_tokens=1000)
-    translate.gate.clear()
-    _send(batcher, ["hold"])
-    _wait_until(lambda: translate.searches)
-    pair = [_send(batcher, ["x"]), _send(batcher, ["y"])]
-    _wait_until(lambda: batcher.waiting == 2)
-    translate.gate.set()
+    pair = _queued_behind_a_search(batcher, translate, [["x"], ["y"]])
     assert [answer.result(10) for answer in pair] == [["X"], ["Y"]]  # one search served both
     first = _send(batcher, ["a"])
     time.sleep(0.1)  # a caller answered by that search sends again, within the window

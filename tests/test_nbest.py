@@ -166,22 +166,22 @@ def test_cli_score_model_prints_a_score_a_line_and_the_total_per_token(wordy_fil
     assert expected[2].score < 0  # an empty translation of a sentence still has its </s> to score
 
 
-def test_cli_score_model_refuses_files_of_different_lengths_naming_both(model_file, tmp_path):
-    (tmp_path / "src.de").write_text("ein Hund\nein Kind\n", encoding="utf-8")
-    (tmp_path / "tgt.en").write_text("a dog\n", encoding="utf-8")
-    args = ["score-model", "--model", str(model_file), "--source", str(tmp_path / "src.de")]
-    result = CliRunner().invoke(main, args + ["--target", str(tmp_path / "tgt.en")])
+@pytest.mark.parametrize(
+    "source, target, says",
+    [
+        ("ein Hund\nein Kind\n", "a dog\n", "{tgt}: has 1 lines but the source {src} has 2"),
+        ("ein Hund\n\n", "a dog\na child\n", "{src}, {tgt}: line 2: an empty source"),
+    ],
+    ids=["different lengths, naming both", "a translation of an empty line"],
+)
+def test_cli_score_model_refuses_pairs_it_cannot_score(model_file, tmp_path, source, target, says):
+    src, tgt = tmp_path / "src.de", tmp_path / "tgt.en"
+    src.write_text(source, encoding="utf-8")
+    tgt.write_text(target, encoding="utf-8")
+    args = ["score-model", "--model", str(model_file), "--source", str(src), "--target", str(tgt)]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and result.stdout == ""
-    assert f"error: {tmp_path / 'tgt.en'}: has 1 lines but the source {tmp_path / 'src.de'} has 2" in result.output
-
-
-def test_cli_score_model_refuses_a_translation_of_an_empty_line(model_file, tmp_path):
-    (tmp_path / "src.de").write_text("ein Hund\n\n", encoding="utf-8")
-    (tmp_path / "tgt.en").write_text("a dog\na child\n", encoding="utf-8")
-    args = ["score-model", "--model", str(model_file), "--source", str(tmp_path / "src.de")]
-    result = CliRunner().invoke(main, args + ["--target", str(tmp_path / "tgt.en")])
-    assert result.exit_code == 1 and result.stdout == ""
-    assert f"error: {tmp_path / 'src.de'}, {tmp_path / 'tgt.en'}: line 2: an empty source" in result.output
+    assert "error: " + says.format(src=src, tgt=tgt) in result.output
 
 
 def test_translator_score_refuses_sources_and_targets_of_different_counts(model_file):

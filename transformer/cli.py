@@ -17,16 +17,21 @@ def main() -> None:
     """The reproducible Transformer."""
 
 
+def _model_files(what_an_ensemble_does: str):
+    """The --model option of the commands that use a trained model, one file or an ensemble of several."""
+    return click.option(
+        "--model",
+        "model_paths",
+        required=True,
+        multiple=True,
+        type=click.Path(path_type=Path),
+        help="a model file (the average_checkpoints stage's output, or any checkpoint); "
+        f"given more than once, {what_an_ensemble_does}",
+    )
+
+
 @main.command()
-@click.option(
-    "--model",
-    "model_paths",
-    required=True,
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="a model file (the average_checkpoints stage's output, or any checkpoint); "
-    "given more than once, the models translate as an ensemble",
-)
+@_model_files("the models translate as an ensemble")
 @click.option(
     "--input",
     "input_file",
@@ -187,14 +192,7 @@ def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str,
 
 
 @main.command("score-model")
-@click.option(
-    "--model",
-    "model_paths",
-    required=True,
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="a model file; given more than once, the ensemble scores",
-)
+@_model_files("the ensemble scores")
 @click.option("--source", required=True, type=click.Path(path_type=Path), help="raw source text, one sentence a line")
 @click.option("--target", required=True, type=click.Path(path_type=Path), help="raw translations, line for line")
 @stage

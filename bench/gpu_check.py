@@ -1,25 +1,32 @@
-"""One GPU's check of training at the WMT14 presets' sizes, in under ten minutes; one JSON report.
+"""One GPU's check of training at the WMT14 presets' sizes: one budgeted run that fits a ten-minute
+command, its JSON report rewritten after every part, so that a kill at any moment keeps every part done.
 
 Run from the repository root, venv active:
 
-    python -m bench.gpu_check [--out reports/gpu_check.json] [--seconds 15]
+    python -m bench.gpu_check [--out reports/gpu_check.json] [--seconds 15] [--budget-s 480]
     python -m bench.gpu_check --dry-run     # no GPU: the same code on the CPU, tiny sizes, 2 updates a row
 
-On cuda:0 it measures, in order:
+On cuda:0 it measures, in this order, each part in a try of its own: an exception (a Triton
+error, out of memory) is recorded in the part, its type and message, and the run goes on; a part
+that would start after --budget-s seconds is recorded as skipped, with the reason.
 
-- tests: the suite's CUDA tests (CUDA_TESTS), their counts and exit status;
-- peaks: a bf16 and an fp32 matmul's TFLOP/s (fp32 in TF32, as training multiplies it): MFU's
-  denominator, measured as bench.py measures its CPU's;
-- train: the base and big models of wmt14_en_de_base and wmt14_en_de_big, compile off and on, an
-  update as training runs it (make_model, make_optimizer, StepLoss, set_precision's bf16 or TF32,
-  training's attention kernels) over token batches of a synthetic WMT-shaped corpus (about 31
-  tokens a side, log-normal) at the preset's train.max_tokens and train.accum: target tokens/s, MFU
-  with train_flops (the bench's FLOPs a token), ms an update, the share of it the GPU spent
-  waiting on the host (kernel time against wall time, from the profiler), the kernels that took the
-  most GPU time and the attention kernels, and peak GPU memory;
-- resume: the train stage on a toy corpus, killed with SIGKILL after its first checkpoint and
-  rerun, against an uninterrupted run (the largest weight difference; 0 is bit-identical), with the
-  training loop's own wait for batches from its train.json.
+- peak_tflops: a bf16 and an fp32 matmul's TFLOP/s (fp32 in TF32, as training multiplies it):
+  MFU's measured denominator, beside the datasheet's (datasheet_peak, by the card's name);
+- train: the base and big models of wmt14_en_de_base and wmt14_en_de_big, eager then compiled,
+  an update as training runs it (make_model, make_optimizer, the loss, set_precision's bf16 or
+  TF32, training's attention kernels) over token batches of a synthetic WMT-shaped corpus (about
+  31 tokens a side, log-normal) at the preset's train.max_tokens and train.accum: unprofiled ms
+  an update, target tokens/s, MFU with train_flops (the bench's FLOPs a token) against both
+  peaks, real and padded tokens a side an update, peak GPU memory; a profiled window of device
+  work by kernel category and by phase of the update (bench/gpu_profile.py); compiled, the
+  seconds of compiling, the frames compiled again after the first update, and graph breaks;
+- loss: the loss of one micro-batch both ways training computes it, the fused loss (eager) and
+  cross-entropy after one generator matmul (compiled), forward and backward;
+- resume: the train stage (its Trainer, the real loop) on a toy corpus, killed with SIGKILL after
+  its first checkpoint and rerun, against an uninterrupted run (the largest weight difference; 0
+  is bit-identical), with the loop's own wait for batches from its train.json;
+- tests: the suite's CUDA tests (CUDA_TESTS), their counts and exit status, in what is left of
+  the budget.
 
 Without a CUDA device it stops with one line, unless --dry-run: then the same code runs on the CPU
 with tiny sizes, two timed updates a row and torch.compile's aot_eager backend (no C++ build), so a
@@ -29,6 +36,7 @@ test can run it in seconds; its figures check the code, not a machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import re
@@ -37,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,26 +53,43 @@ from typing import Any
 import click
 import torch
 import yaml
-from torch.profiler import ProfilerActivity, profile
+from torch._dynamo.utils import counters
 
 import transformer.training.train
 from bench.common import ROOT, Size, train_flops
+from bench.gpu_profile import CATEGORIES, phase, profiled, sync
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.data.batching import Batch, ParallelCorpus, token_batches
 from transformer.data.vocab import PAD
 from transformer.io import write_json
+from transformer.kernels import select
 from transformer.kernels.memory import peak_rss_mb
 from transformer.kernels.select import attention_kernels
 from transformer.model.model import make_model
 from transformer.presets import recipe
 from transformer.training.distributed import set_precision
+from transformer.training.loss import smoothed_cross_entropy, token_loss
 from transformer.training.train import StepLoss, make_optimizer
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
 CUDA_TESTS = ("tests/test_fast_paths.py", "tests/test_scale_out.py", "tests/test_distributed.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ATTENTION = ("flash", "fmha", "efficient", "cudnn", "attention", "sdpa")  # kernel names of attention
+# No part starts after this many seconds: a ten-minute command keeps two minutes for the part
+# started last, which may be a compile.
+BUDGET_S = 480.0
+TESTS_AT_LEAST_S = 60  # the CUDA tests' timeout when less of the budget is left
+# Dense tensor-core TFLOP/s from the vendors' datasheets by torch.cuda.get_device_name, bf16 (the
+# T4 has none: fp16); first match wins, so the PCIe H100 precedes the SXM one ("H100 80GB HBM3"),
+# and cards not named here (an H100 or H200 NVL) get none rather than a neighbour's.
+DATASHEET = (
+    (r"H100.*PCIe", 756.0, "bf16"),
+    (r"H100.*(SXM|HBM3)", 989.0, "bf16"),
+    (r"H200(?!.*NVL)", 989.0, "bf16"),
+    (r"A100", 312.0, "bf16"),
+    (r"\bL4\b", 121.0, "bf16"),
+    (r"\bT4\b", 65.0, "fp16"),
+)
 
 
 @dataclass(frozen=True)
@@ -123,102 +149,193 @@ def updates_of(corpus: ParallelCorpus, max_tokens: int, accum: int, count: int, 
     return [batches[k : k + accum] for k in range(0, len(batches) - accum + 1, accum)]
 
 
-def update_step(params, vocab: int, device: torch.device, compiled: bool, backend: str):
-    """One training update over an update's micro-batches, the loss normalized by its target
-    tokens, as transformer.training.train's loop runs it in one process; returns bf16's use too."""
+def model_of(params: Any, vocab: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(1)
     config = {"src_vocab": vocab, "tgt_vocab": vocab, "pad": PAD} | dataclasses.asdict(params.model)
-    model = make_model(**config).to(device).train()
-    optimizer = make_optimizer(model, params.train.weight_decay, device)
-    loss_of = StepLoss(model, params.train.label_smoothing)  # the model, its generator and the loss
-    loss_of = transformer.training.train.compiled(loss_of, backend) if compiled else loss_of
-    bf16 = set_precision(params.train.precision, device)
+    return make_model(**config).to(device).train()
+
+
+def update_step(params: Any, vocab: int, device: torch.device, compiled: bool, backend: str):
+    """One training update over an update's micro-batches, the loss normalized by its target tokens,
+    as transformer.training.train's loop runs it in one process, each phase in its profiler range
+    (compiled, the forward's range holds the loss, traced into one graph with it as train.compile
+    traces StepLoss); returns bf16's use too."""
+    model, t = model_of(params, vocab, device), params.train
+    optimizer = make_optimizer(model, t.weight_decay, device)
+    step_loss = StepLoss(model, t.label_smoothing, t.smoothing_zeroes_pad)
+    whole = transformer.training.train.compiled(step_loss, backend) if compiled else None
+    bf16 = set_precision(t.precision, device)
+
+    def micro_loss(batch: Batch, tokens: int) -> torch.Tensor:
+        if whole is not None:
+            with phase("forward"):
+                return whole(batch) / tokens
+        with phase("forward"):  # StepLoss's own two steps, apart
+            hidden = model(batch.src, batch.tgt_in)
+        with phase("loss"):
+            return token_loss(model, hidden, batch.tgt_out, PAD, t.label_smoothing, t.smoothing_zeroes_pad) / tokens
 
     def update(micro: list[Batch]) -> None:
         tokens = sum(b.ntokens for b in micro)
         for batch in micro:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), attention_kernels(device, bf16):
-                (loss_of(batch) / tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+                loss = micro_loss(batch, tokens)
+                with phase("backward"):
+                    loss.backward()
+        with phase("step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     return update, bf16
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def seconds_of(update, micro: list[Batch], device: torch.device) -> float:
+    start = time.perf_counter()
+    update(micro)
+    sync(device)
+    return time.perf_counter() - start
 
 
-def timed(update, updates: list[list[Batch]], plan: Plan) -> tuple[float, list[list[Batch]]]:
-    """Seconds of the timed updates after `plan.warmup` untimed ones, and those updates."""
-    for micro in updates[: plan.warmup]:
-        update(micro)
-    sync(plan.device)
+def timed(update, updates: list[list[Batch]], plan: Plan, deadline: float) -> tuple[float, list[list[Batch]]]:
+    """Seconds of updates until plan.seconds have passed or the budget's deadline (perf_counter's
+    clock) has, at least plan.least of them, and those updates."""
     done, start = [], time.perf_counter()
-    for micro in updates[plan.warmup :]:
+    for micro in updates:
         update(micro)
         done.append(micro)
-        if len(done) >= plan.least and time.perf_counter() - start >= plan.seconds:
+        now = time.perf_counter()
+        if len(done) >= plan.least and (now - start >= plan.seconds or now >= deadline):
             break
     sync(plan.device)
     return time.perf_counter() - start, done
 
 
-def profiled(update, updates: list[list[Batch]], device: torch.device) -> dict[str, Any]:
-    """Kernel time against wall time over `updates`, and the kernels that took the most time."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for micro in updates:
-            update(micro)
-        sync(device)
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
+def tokens_a_side(done: list[list[Batch]]) -> dict[str, float]:
+    """Real and padded tokens an update of each side the model reads (source, and target with </s>)."""
+    figures = {}
+    for side, of in (("src", lambda b: b.src), ("tgt", lambda b: b.tgt_out)):
+        sides = [of(b) for micro in done for b in micro]
+        figures[f"{side}_real_tokens_per_update"] = round(sum(int((s != PAD).sum()) for s in sides) / len(done), 1)
+        figures[f"{side}_padded_tokens_per_update"] = round(sum(s.numel() for s in sides) / len(done), 1)
+    return figures
 
-    def own(e) -> float:  # µs of the event's own work on the device the rows run on
-        return e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
 
-    busy = sum(own(e) for e in events if device.type == "cpu" or e.device_type.name == "CUDA") / 1e6
-    top = sorted(events, key=own, reverse=True)
+def compile_figures(warm: list[float], seconds_per_update: float, frames_after_first: int) -> dict[str, Any]:
+    """Compiling's seconds (the warm-up updates' time beyond the steady state's), the frames dynamo
+    compiled after the first update (recompiles: a new shape the symbolic trace does not cover), and
+    its graph breaks with their reasons' first lines."""
+    breaks = counters["graph_break"]
     return {
-        "device_busy_ms_per_update": round(1000 * min(busy, wall) / len(updates), 3),
-        "waits_on_host_share": round(max(0.0, 1 - busy / wall), 3),
-        "top_kernels": [e.key[:100] for e in top[:8]],
-        "attention_kernels": sorted({e.key[:100] for e in top if any(k in e.key.lower() for k in ATTENTION)})[:8],
+        "compile_s": round(max(0.0, sum(warm) - len(warm) * seconds_per_update), 2),
+        "frames_compiled": counters["frames"]["ok"],
+        "recompiles": counters["frames"]["ok"] - frames_after_first,
+        "graph_breaks": sum(breaks.values()),
+        "graph_break_reasons": [reason.splitlines()[0][:200] for reason in breaks][:8],
     }
 
 
-def train_row(size: str, compiled: bool, plan: Plan, work: Path) -> dict[str, Any]:
-    """One size at its preset's batches, compiled or not: speed, MFU, waits, kernels, memory."""
+def train_row(size: str, compiled: bool, plan: Plan, work: Path, deadline: float) -> dict[str, Any]:
+    """One size at its preset's batches, compiled or not: speed, tokens, memory, its profiled
+    window, and compiling's figures; MFU is added by with_mfu."""
     params = preset_params(PRESETS[size], plan.tiny)
     vocab, t = params.vocab.size, params.train
     corpus = wmt_shaped(work / f"{size}.pt", plan.pairs, vocab, params.tokenize.max_len)
     updates = updates_of(corpus, t.max_tokens, t.accum, plan.warmup + 250, plan.device)
     torch._dynamo.reset()  # the rows before: their compiled graphs hold their models, which would count
+    counters.clear()
     gc.collect()
-    update, bf16 = update_step(params, vocab, plan.device, compiled, plan.backend)
     if plan.device.type == "cuda":
+        torch.cuda.empty_cache()  # a row that ran out of memory leaves its cache behind
         torch.cuda.reset_peak_memory_stats(plan.device)
-    seconds, done = timed(update, updates, plan)
+    update, bf16 = update_step(params, vocab, plan.device, compiled, plan.backend)
+    warm = [seconds_of(update, updates[0], plan.device)]
+    frames_after_first = counters["frames"]["ok"]
+    warm += [seconds_of(update, micro, plan.device) for micro in updates[1 : plan.warmup]]
+    seconds, done = timed(update, updates[plan.warmup :], plan, deadline)
     shape = Size(size, params.model.N, params.model.d_model, params.model.d_ff, params.model.h)
     flops = sum(train_flops(b, shape, vocab) for micro in done for b in micro)
     tokens = sum(b.ntokens for micro in done for b in micro)
     peak = torch.cuda.max_memory_allocated(plan.device) / 2**30 if plan.device.type == "cuda" else None
-    return {
-        "size": size,
+    row = {
         "preset": PRESETS[size],
-        "compile": compiled,
         "dtype": "bf16" if bf16 else "fp32",
         "max_tokens": t.max_tokens,
         "accum": t.accum,
         "updates": len(done),
+        "first_update_s": round(warm[0], 3),
         "ms_per_update": round(1000 * seconds / len(done), 3),
         "tokens_per_s": round(tokens / seconds, 1),
         "flops_per_token": round(flops / tokens),
         "flops_per_s": flops / seconds,
         "peak_gpu_memory_gib": None if peak is None else round(peak, 2),
-    } | profiled(update, updates[plan.warmup : plan.warmup + 2], plan.device)
+    } | tokens_a_side(done)
+    if compiled:
+        row |= compile_figures(warm, seconds / len(done), frames_after_first)
+    return row | profiled(update, updates[plan.warmup :], plan.device)
+
+
+def with_mfu(row: dict[str, Any], peaks: dict[str, Any], datasheet: dict[str, Any]) -> dict[str, Any]:
+    """MFU as bench.py reckons it, model FLOPs a second over the row's dtype's measured matmul peak,
+    and over the card's datasheet peak; None where a peak is unknown."""
+    measured, sheet = peaks.get(row["dtype"]), datasheet["tflops"]
+    return row | {
+        "mfu": None if not measured else round(row["flops_per_s"] / (measured * 1e12), 6),
+        "mfu_datasheet": None if sheet is None else round(row["flops_per_s"] / (sheet * 1e12), 6),
+    }
+
+
+def loss_row(plan: Plan) -> dict[str, Any]:
+    """The loss of one micro-batch of the base preset, forward and backward, both ways training
+    computes it: the fused loss (select.fused_loss, the generator a chunk of rows at a time; eager
+    training on every device) and cross-entropy after one generator matmul (what train.compile
+    traces). Its rows are every position of a full micro-batch, as a GPU's loss takes them, a tenth
+    of them padding; ms, peak GPU memory above the inputs, and how far the two losses differ."""
+    params = preset_params(PRESETS["base"], plan.tiny)
+    t, vocab = params.train, params.vocab.size
+    generator = model_of(params, vocab, plan.device).generator
+    bf16 = set_precision(t.precision, plan.device)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(t.max_tokens, params.model.d_model, generator=g).to(plan.device).requires_grad_()
+    target = torch.randint(4, vocab, (t.max_tokens,), generator=g)
+    target = target.masked_fill(torch.rand(t.max_tokens, generator=g) < 0.1, PAD).to(plan.device)
+    terms = dict(pad=PAD, smoothing=t.label_smoothing, zero_pad=t.smoothing_zeroes_pad)
+    ways = {
+        "fused": lambda: select.fused_loss(generator, hidden, target, **terms),
+        "plain": lambda: smoothed_cross_entropy(generator(hidden).float(), target, **terms),
+    }
+    row: dict[str, Any] = {"rows": t.max_tokens, "vocab": vocab, "dtype": "bf16" if bf16 else "fp32"}
+    losses = {}
+    for name, loss_of in ways.items():
+        losses[name], ms, peak = timed_loss(loss_of, [hidden, generator.weight], plan, bf16)
+        row |= {f"{name}_ms": ms, f"{name}_peak_gpu_memory_gib": peak}
+    row["loss_relative_difference"] = abs(losses["fused"] - losses["plain"]) / abs(losses["plain"])
+    return row
+
+
+def timed_loss(loss_of: Callable[[], torch.Tensor], leaves: list[torch.Tensor], plan: Plan, bf16: bool):
+    """The loss's value, ms of its forward and backward (after one untimed), and the GPU memory
+    it took at its peak beyond what was allocated before it, in GiB (None on a CPU)."""
+    cuda = plan.device.type == "cuda"
+
+    def once() -> float:
+        for leaf in leaves:
+            leaf.grad = None
+        with torch.autocast(plan.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of()
+        loss.backward()
+        return loss.item()  # waits for the device
+
+    value = once()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(plan.device)
+    before = torch.cuda.memory_allocated(plan.device) if cuda else 0
+    reps, start = 0, time.perf_counter()
+    while reps < plan.least or time.perf_counter() - start < plan.seconds / 5:
+        once()
+        reps += 1
+    ms = round(1000 * (time.perf_counter() - start) / reps, 3)
+    peak = round((torch.cuda.max_memory_allocated(plan.device) - before) / 2**30, 3) if cuda else None
+    return value, ms, peak
 
 
 # ---------------------------------------------------------------------------- peaks, tests, resume
@@ -240,10 +357,23 @@ def matmul_peak_tflops(dtype: torch.dtype, plan: Plan, seconds: float = 2.0) -> 
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
-def cuda_tests() -> dict[str, Any]:
-    """The suite's CUDA tests (and their CPU halves where they have them), in a process of their own."""
+def measured_peaks(plan: Plan) -> dict[str, float]:
+    set_precision("fp32", plan.device)  # the fp32 peak in TF32, as fp32 training multiplies
+    return {name: round(matmul_peak_tflops(dtype, plan), 3 if plan.tiny else 1) for name, dtype in DTYPES.items()}
+
+
+def datasheet_peak(card: str) -> dict[str, Any]:
+    """The card's dense TFLOP/s by DATASHEET, and their dtype; None for a card not listed there."""
+    found = next(((tflops, dtype) for pattern, tflops, dtype in DATASHEET if re.search(pattern, card)), (None, None))
+    return {"card": card, "tflops": found[0], "dtype": found[1]}
+
+
+def cuda_tests(deadline: float) -> dict[str, Any]:
+    """The suite's CUDA tests (and their CPU halves where they have them), in a process of their own,
+    given what is left of the budget (TESTS_AT_LEAST_S at least)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-k", "cuda or gpu", *CUDA_TESTS]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480)
+    timeout = max(TESTS_AT_LEAST_S, deadline - time.perf_counter())
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     found = re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", result.stdout)
     counts = {what: int(n) for n, what in found}
     return {"command": " ".join(cmd[1:]), "exit_code": result.returncode, "counts": counts}
@@ -289,7 +419,12 @@ def train_stage(params: Path, vocab: Path, out: Path) -> subprocess.Popen:
 
 
 def finished(job: subprocess.Popen) -> None:
-    _, err = job.communicate(timeout=300)
+    try:
+        _, err = job.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        job.kill()  # not left training beside the parts that follow
+        job.wait()
+        raise
     if job.returncode:
         raise click.ClickException(f"the train stage failed in the resume check: {err.strip()[-800:]}")
 
@@ -327,53 +462,127 @@ def machine(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def with_mfu(rows: list[dict[str, Any]], peaks: dict[str, float]) -> list[dict[str, Any]]:
-    """MFU as bench.py reckons it: model FLOPs a second over the row's dtype's measured matmul peak."""
-    return [r | {"mfu": round(r["flops_per_s"] / (peaks[r["dtype"]] * 1e12), 6)} for r in rows]
+class Report:
+    """The report as it grows, rewritten atomically to `out` after every part, so that a kill at any
+    moment leaves every part done on disk; each part runs in a try of its own, and none starts
+    after `budget_s` seconds."""
+
+    def __init__(self, out: Path, budget_s: float, data: dict[str, Any]):
+        self.out, self.budget_s, self.data = out, budget_s, data | {"budget_s": budget_s}
+        self.started = time.perf_counter()
+        self.deadline = self.started + budget_s  # perf_counter's clock
+        self.save()
+
+    def save(self) -> None:
+        self.data["runtime_s"] = round(time.perf_counter() - self.started, 1)
+        write_json(self.out, self.data)
+
+    def run(self, part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """part()'s figures, or why there are none: skipped past the budget, or the exception it raised."""
+        late = time.perf_counter() - self.deadline
+        if late >= 0:
+            return {"skipped": f"the budget of {self.budget_s:g} s was spent ({late:.0f} s over) before it could start"}
+        try:
+            return part()
+        except Exception as e:  # noqa: BLE001 (one failed part is a finding, and the parts after it still run)
+            return {"error": {"type": type(e).__name__, "message": str(e)[-2000:]}}
+
+    def section(self, key: str, part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        self.data[key] = self.run(part)
+        self.save()
+        return self.data[key]
+
+    def row(self, key: str, label: dict[str, Any], part: Callable[[], dict[str, Any]]) -> None:
+        self.data.setdefault(key, []).append(label | self.run(part))
+        self.save()
 
 
-def check(plan: Plan, work: Path) -> dict[str, Any]:
-    started = time.perf_counter()
-    report: dict[str, Any] = {"machine": machine(plan.device), "dry_run": plan.tiny, "compile_backend": plan.backend}
-    report["tests"] = cuda_tests()
-    set_precision("fp32", plan.device)  # the fp32 peak in TF32, as fp32 training multiplies
-    peaks = {name: matmul_peak_tflops(dtype, plan) for name, dtype in DTYPES.items()}
-    report["peak_tflops"] = {k: round(v, 3 if plan.tiny else 1) for k, v in peaks.items()}
-    rows = [train_row(size, compiled, plan, work) for size in PRESETS for compiled in (False, True)]
-    report["train"] = with_mfu(rows, peaks)
-    report["resume"] = resume_check(work / "resume")
-    report["peak_rss_mb"] = round(peak_rss_mb())
-    report["runtime_s"] = round(time.perf_counter() - started, 1)
-    report["flops_formula"] = train_flops.__doc__
-    return report
+def train_part(size: str, compiled: bool, plan: Plan, work: Path, report: Report) -> dict[str, Any]:
+    row = train_row(size, compiled, plan, work, report.deadline)
+    peaks = report.data["peak_tflops"]
+    return with_mfu(row, {} if "skipped" in peaks or "error" in peaks else peaks, report.data["datasheet_peak"])
+
+
+def check(plan: Plan, work: Path, out: Path, budget_s: float) -> dict[str, Any]:
+    """Every part in order (the module's docstring), the report on disk after each."""
+    about = machine(plan.device)
+    report = Report(
+        out,
+        budget_s,
+        {
+            "machine": about,
+            "dry_run": plan.tiny,
+            "compile_backend": plan.backend,
+            "datasheet_peak": datasheet_peak(about.get("name", "cpu")),
+            "flops_formula": train_flops.__doc__,
+            "kernel_categories": [list(c) for c in CATEGORIES],  # in order: the first match wins
+        },
+    )
+    report.section("peak_tflops", functools.partial(measured_peaks, plan))
+    for size in PRESETS:
+        for compiled in (False, True):
+            part = functools.partial(train_part, size, compiled, plan, work, report)
+            report.row("train", {"size": size, "compile": compiled}, part)
+    report.section("loss", functools.partial(loss_row, plan))
+    report.section("resume", functools.partial(resume_check, work / "resume"))
+    report.section("tests", lambda: cuda_tests(report.deadline))
+    report.data["peak_rss_mb"] = round(peak_rss_mb())
+    report.save()
+    return report.data
 
 
 @click.command()
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "reports" / "gpu_check.json")
 @click.option("--seconds", type=click.FloatRange(min=1), default=15.0, show_default=True, help="timed per row")
+@click.option(
+    "--budget-s",
+    type=click.FloatRange(min=0),
+    default=BUDGET_S,
+    show_default=True,
+    help="no part starts after this many seconds; the parts left are recorded as skipped",
+)
 @click.option("--dry-run", is_flag=True, help="no GPU: the same code on the CPU, tiny sizes, 2 updates a row")
-def main(out: Path, seconds: float, dry_run: bool) -> None:
+def main(out: Path, seconds: float, budget_s: float, dry_run: bool) -> None:
     """Training at the WMT14 presets' sizes on one GPU; see the module docstring."""
     if not dry_run and not torch.cuda.is_available():
         raise click.ClickException("no CUDA device: bench.gpu_check needs one GPU (--dry-run runs it on the CPU)")
     plan = plan_for(dry_run, seconds)
     with tempfile.TemporaryDirectory() as tmp:
-        report = check(plan, Path(tmp))
-    write_json(out, report)
+        report = check(plan, Path(tmp), out, budget_s)
     click.echo("\n".join(summary(report)) + f"\nreport: {out}")
+
+
+def outcome(part: dict[str, Any]) -> str | None:
+    """Why a part has no figures: its skip or its exception, in a line; None when it has them."""
+    if "skipped" in part:
+        return f"skipped: {part['skipped']}"
+    if "error" in part:
+        return f"failed: {part['error']['type']}: {(part['error']['message'].splitlines() or [''])[-1]}"
+    return None
 
 
 def summary(report: dict[str, Any]) -> list[str]:
     lines = []
     for r in report["train"]:
-        compiled = "compiled" if r["compile"] else "eager"
+        name = f"{r['size']:<5} {'compiled' if r['compile'] else 'eager':<8}"
+        if outcome(r):
+            lines.append(f"{name} {outcome(r)}")
+            continue
+        sheet = "" if r["mfu_datasheet"] is None else f" ({100 * r['mfu_datasheet']:.1f}% of the datasheet's)"
+        mfu = "?" if r["mfu"] is None else f"{100 * r['mfu']:5.1f}%"
         lines.append(
-            f"{r['size']:<5} {compiled:<8} {r['dtype']} {r['tokens_per_s']:>12,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%  "
+            f"{name} {r['dtype']} {r['tokens_per_s']:>12,.0f} tok/s  MFU {mfu}{sheet}  "
             f"{r['ms_per_update']:8.1f} ms an update, {r['waits_on_host_share']:.0%} of it waiting on the host"
         )
-    r, tests = report["resume"], report["tests"]
-    lines.append(f"resume after kill -9: largest weight difference {r['max_weight_difference']:.3g}")
-    lines.append(f"CUDA tests: {tests['counts']}, exit {tests['exit_code']}; {report['runtime_s']:.0f} s in all")
+    loss, resume, tests = report["loss"], report["resume"], report["tests"]
+    loss_line = outcome(loss) or f"fused {loss['fused_ms']} ms, plain cross-entropy {loss['plain_ms']} ms"
+    lines.append(f"the loss of a micro-batch: {loss_line}")
+    if outcome(resume):
+        lines.append(f"resume after kill -9: {outcome(resume)}")
+    else:
+        lines.append(f"resume after kill -9: largest weight difference {resume['max_weight_difference']:.3g}")
+    tests_line = outcome(tests) or f"{tests['counts']}, exit {tests['exit_code']}"
+    lines.append(f"CUDA tests: {tests_line}; {report['runtime_s']:.0f} s in all")
     return lines
 
 

@@ -2,14 +2,19 @@
 their timings are not checked, only that each row is measured and printed."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY_SIZES
 
-from bench import common, gpu_attention, gpu_check, scale, update_profile
+from bench import common, gpu_attention, gpu_check, gpu_profile, scale, update_profile
 
 
 @pytest.fixture(autouse=True)
@@ -67,23 +72,117 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
     monkeypatch.setattr(gpu_check, "CUDA_TESTS", ("tests/test_distributed.py",))  # their CPU halves: seconds
     out = run(gpu_check.main, ["--dry-run", "--out", str(tmp_path / "report.json")])
     report = json.loads((tmp_path / "report.json").read_text())
-    assert {"machine", "tests", "peak_tflops", "train", "resume", "runtime_s", "flops_formula"} <= set(report)
+    assert {"machine", "tests", "peak_tflops", "train", "loss", "resume", "runtime_s", "flops_formula"} <= set(report)
     assert report["tests"]["exit_code"] == 0 and report["tests"]["counts"]["passed"] >= 2
-    rows = {(r["size"], r["compile"]): r for r in report["train"]}
-    assert set(rows) == {(size, compiled) for size in ("base", "big") for compiled in (False, True)}
-    for r in rows.values():
+    assert report["datasheet_peak"] == {"card": "cpu", "tflops": None, "dtype": None}
+    rows = report["train"]
+    assert [(r["size"], r["compile"]) for r in rows] == [("base", False), ("base", True), ("big", False), ("big", True)]
+    for r in rows:
         assert r["tokens_per_s"] > 0 and r["ms_per_update"] > 0 and 0 <= r["waits_on_host_share"] <= 1
-        assert r["tokens_per_s"] * r["ms_per_update"] / 1000 <= r["accum"] * r["max_tokens"]  # padded cap
+        for side in ("src", "tgt"):
+            assert 0 < r[f"{side}_real_tokens_per_update"] <= r[f"{side}_padded_tokens_per_update"]
+            assert r[f"{side}_padded_tokens_per_update"] <= r["accum"] * r["max_tokens"]
+        # the unprofiled timing's tokens/s is the target's real tokens of an update over its time
+        target = r["tokens_per_s"] * r["ms_per_update"] / 1000
+        assert target == pytest.approx(r["tgt_real_tokens_per_update"], rel=1e-3)
         peak = report["peak_tflops"][r["dtype"]] * 1e12
         assert 0 < r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / peak, rel=0.05)
+        assert r["mfu_datasheet"] is None  # a CPU has no datasheet peak here
         assert any("mm" in k for k in r["top_kernels"])
         # on a CPU in bf16 attention is written out, and compiled it is traced into the graph: matmuls and a
         # softmax either way, no kernel of its own
         assert r["attention_kernels"] or r["compile"] or r["dtype"] == "bf16"
-    assert rows["big", False]["flops_per_token"] > rows["base", False]["flops_per_token"]  # bench's count: wider
+        categories, phases = r["device_ms_by_category"], r["device_ms_by_phase"]
+        assert categories["GEMM"] > 0 and categories["optimizer"] > 0
+        assert sum(categories.values()) == pytest.approx(r["device_busy_ms_per_update"], abs=0.01)
+        assert sum(phases.values()) == pytest.approx(sum(categories.values()), abs=0.01)
+        # every op of an update falls in one of its phases; compiled, the loss is traced into the forward's graph
+        assert set(phases) == ({"forward", "backward", "step"} | ({"loss"} if not r["compile"] else set()))
+        assert all(ms > 0 for ms in phases.values())
+        assert ("compile_s" in r) == r["compile"]
+    for r in (rows[1], rows[3]):
+        assert r["compile_s"] >= 0 and r["frames_compiled"] >= 1 and r["recompiles"] >= 0 and r["graph_breaks"] >= 0
+    assert rows[2]["flops_per_token"] > rows[0]["flops_per_token"]  # bench's count: wider
+    loss = report["loss"]
+    assert loss["fused_ms"] > 0 and loss["plain_ms"] > 0 and loss["loss_relative_difference"] < 1e-2
     resume = report["resume"]
     assert resume["killed_at_step"] and resume["killed_at_step"] < resume["steps"] and resume["bit_identical"]
     assert "resume after kill -9: largest weight difference 0" in out
+
+
+def test_gpu_check_with_its_budget_spent_records_every_part_as_skipped_with_the_reason(tmp_path):
+    out = run(gpu_check.main, ["--dry-run", "--budget-s", "0", "--out", str(tmp_path / "report.json")])
+    report = json.loads((tmp_path / "report.json").read_text())
+    parts = [report[key] for key in ("peak_tflops", "loss", "resume", "tests")] + report["train"]
+    assert len(parts) == 8 and all("the budget of 0 s was spent" in part["skipped"] for part in parts)
+    assert [(r["size"], r["compile"]) for r in report["train"]][-1] == ("big", True)
+    assert "big   compiled skipped: the budget of 0 s was spent" in out
+
+
+def test_a_part_that_raises_is_recorded_with_its_exception_and_the_parts_after_it_still_run(tmp_path):
+    report = gpu_check.Report(tmp_path / "report.json", 60.0, {"dry_run": True})
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    report.row("train", {"size": "base", "compile": False}, out_of_memory)
+    on_disk = json.loads((tmp_path / "report.json").read_text())  # written before the next part begins
+    assert on_disk["train"] == [
+        {
+            "size": "base",
+            "compile": False,
+            "error": {"type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB"},
+        }
+    ]
+    report.row("train", {"size": "base", "compile": True}, lambda: {"tokens_per_s": 1.0})
+    report.section("loss", lambda: {"fused_ms": 2.0})
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["train"][1]["tokens_per_s"] == 1.0 and on_disk["loss"] == {"fused_ms": 2.0}
+
+
+def test_gpu_check_killed_after_its_first_row_leaves_that_row_on_disk_as_valid_json(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)]
+    job = subprocess.Popen(cmd, cwd=common.ROOT, env=os.environ | {"PYTHONPATH": str(common.ROOT)})
+    try:
+        while job.poll() is None and not (out.exists() and json.loads(out.read_text()).get("train")):
+            time.sleep(0.05)
+        assert job.poll() is None, "it ended before it could be killed"
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    finally:
+        job.kill()
+        job.wait()
+    report = json.loads(out.read_text())  # valid JSON: every write replaced the file whole
+    assert report["peak_tflops"]["bf16"] > 0
+    assert len(report["train"]) == 1 and report["train"][0]["tokens_per_s"] > 0
+    assert "loss" not in report and "resume" not in report and "tests" not in report  # not reached
+
+
+def test_datasheet_peaks_by_the_cards_name_and_none_for_a_card_not_listed():
+    peaks = {
+        name: gpu_check.datasheet_peak(name)["tflops"]
+        for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4")
+    }
+    assert list(peaks.values()) == [989.0, 756.0, 989.0, 312.0, 121.0]
+    assert gpu_check.datasheet_peak("Tesla T4") == {"card": "Tesla T4", "tflops": 65.0, "dtype": "fp16"}
+    assert gpu_check.datasheet_peak("NVIDIA L40S")["tflops"] is None  # not the L4's
+    assert gpu_check.datasheet_peak("NVIDIA H100 NVL")["tflops"] is None
+
+
+def test_kernels_fall_in_their_category_by_name_the_loss_before_attention_and_the_norm_before_elementwise():
+    kernels = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM",
+        "aten::mm": "GEMM",
+        "flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>": "attention",
+        "triton_red_fused__log_softmax__to_copy_0": "loss",
+        "void at::native::cunn_SoftMaxForward<LogSoftMaxForwardEpilogue>": "loss",
+        "triton_per_fused_add_native_dropout_native_layer_norm_3": "norm",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, AddFunctor<float>>": "elementwise",
+        "Memcpy HtoD (Pageable -> Device)": "other",
+    }
+    assert {name: gpu_profile.category(name) for name in kernels} == kernels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")

@@ -22,7 +22,9 @@ WAIT, WARMUP, ACTIVE = 1, 1, 2  # the profiler's schedule: only the ACTIVE updat
 # after the ops they fuse, so one that fuses a log-softmax with a cast counts as the loss, and one
 # that fuses dropout, a residual add and a layer norm as the norm), and in a dry run the CPU's
 # aten ops. The loss precedes attention because both hold a softmax, and memory copies and
-# anything unnamed fall to "other".
+# anything unnamed fall to "other". Eager, the fused loss's kernels carry no name of their own
+# (a softmax, an exp, a sum): those it launches in the loss phase count as the loss, all but its
+# matmuls, the generator's, which stay GEMM (by_category).
 CATEGORIES = (
     ("loss", r"log_?softmax|nll_loss|cross_entropy"),
     ("norm", r"layer_?norm"),
@@ -41,6 +43,13 @@ def phase(name: str):
 def category(kernel: str) -> str:
     name = kernel.lower()
     return next((what for what, pattern in CATEGORIES if re.search(pattern, name)), "other")
+
+
+def by_category(kernel: str, in_phase: str) -> str:
+    """The kernel's category by its name, except that a kernel of the loss phase other than a
+    matmul counts as the loss."""
+    what = category(kernel)
+    return "loss" if in_phase == "loss" and what != "GEMM" else what
 
 
 def sync(device: torch.device) -> None:
@@ -80,20 +89,21 @@ def profiled(update: Callable[[Any], None], updates: Sequence[Any], device: torc
     events = prof.events()
     # the host's ranges only: under CUDA the profiler also draws each range on the device's timeline
     spans = [(e.name.removeprefix(PHASE), e.time_range) for e in events if host_range(e)]
-    by_category, by_phase, by_name = Counter(), Counter(), Counter()
+    categories, phases, names = Counter(), Counter(), Counter()
     for name, at, us in device_work(events, device):
-        by_category[category(name)] += us
-        by_phase[next((p for p, r in spans if r.start <= at <= r.end), "outside the phases")] += us
-        by_name[name] += us
-    busy = sum(by_category.values()) / 1e6
+        in_phase = next((p for p, r in spans if r.start <= at <= r.end), "outside the phases")
+        categories[by_category(name, in_phase)] += us
+        phases[in_phase] += us
+        names[name] += us
+    busy = sum(categories.values()) / 1e6
     return {
         "profiled_updates": ACTIVE,
-        "device_ms_by_category": ms_per_update(by_category),
-        "device_ms_by_phase": ms_per_update(by_phase),
+        "device_ms_by_category": ms_per_update(categories),
+        "device_ms_by_phase": ms_per_update(phases),
         "device_busy_ms_per_update": round(1000 * busy / ACTIVE, 3),
         "waits_on_host_share": round(max(0.0, 1 - busy / wall), 3),
-        "top_kernels": [name[:100] for name, _ in by_name.most_common(8)],
-        "attention_kernels": sorted({name[:100] for name in by_name if category(name) == "attention"})[:8],
+        "top_kernels": [name[:100] for name, _ in names.most_common(8)],
+        "attention_kernels": sorted({name[:100] for name in names if category(name) == "attention"})[:8],
     }
 
 

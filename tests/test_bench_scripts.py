@@ -94,6 +94,7 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
         assert r["attention_kernels"] or r["compile"] or r["dtype"] == "bf16"
         categories, phases = r["device_ms_by_category"], r["device_ms_by_phase"]
         assert categories["GEMM"] > 0 and categories["optimizer"] > 0
+        assert categories.get("loss", 0) > 0 or r["compile"]  # eager: the loss phase's kernels but its matmuls
         assert sum(categories.values()) == pytest.approx(r["device_busy_ms_per_update"], abs=0.01)
         assert sum(phases.values()) == pytest.approx(sum(categories.values()), abs=0.01)
         # every op of an update falls in one of its phases; compiled, the loss is traced into the forward's graph
@@ -183,6 +184,9 @@ def test_kernels_fall_in_their_category_by_name_the_loss_before_attention_and_th
         "Memcpy HtoD (Pageable -> Device)": "other",
     }
     assert {name: gpu_profile.category(name) for name in kernels} == kernels
+    # the fused loss's kernels have no name of their own: in the loss phase they count as the loss, but its matmuls
+    phased = [("aten::softmax", "loss"), ("aten::softmax", "forward"), ("aten::mm", "loss"), ("aten::exp", "loss")]
+    assert [gpu_profile.by_category(*k) for k in phased] == ["loss", "attention", "GEMM", "loss"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without a CUDA device")

@@ -57,16 +57,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_work(events: Sequence[Any], device: torch.device) -> list[tuple[str, float, float]]:
-    """(name, start on the host's clock, µs) of every piece of device work. A CUDA kernel is placed at
-    the host time its launch began, so that it counts in the phase that launched it however late it
-    ran, and a backward kernel launched by autograd's own thread still falls within the main
-    thread's backward range, which waits for it. On a CPU, each aten op's own time: the CPU's
-    kernels, without the profiler's ranges and autograd's wrappers around them."""
+def device_work(events: Sequence[Any], device: torch.device) -> list[tuple[str, float | None, float]]:
+    """(name, start on the host's clock, µs) of every piece of device work. On CUDA, every kernel
+    and copy the profiler saw on the device (its user-annotation ranges drawn there left out, as
+    torch's own totals leave them), placed at the host time of the op that launched it, so that it
+    counts in the phase that launched it however late it ran; a backward kernel launched on
+    autograd's own thread still falls within the main thread's backward range, which waits for it.
+    None where no op is linked. On a CPU, each aten op's own time: the CPU's kernels, without the
+    profiler's ranges and autograd's wrappers around them."""
     if device.type == "cuda":
-        return [
-            (k.name, e.time_range.start, k.duration) for e in events if e.device_type.name == "CPU" for k in e.kernels
-        ]
+        launched = {e.id: e.time_range.start for e in events if e.device_type.name == "CPU" and e.id}  # 0: none
+        kernels = [e for e in events if e.device_type.name == "CUDA" and not e.is_user_annotation]
+        return [(e.name, launched.get(e.linked_correlation_id), e.time_range.elapsed_us()) for e in kernels]
     return [(e.name, e.time_range.start, e.self_cpu_time_total) for e in events if e.name.startswith("aten::")]
 
 
@@ -91,7 +93,7 @@ def profiled(update: Callable[[Any], None], updates: Sequence[Any], device: torc
     spans = [(e.name.removeprefix(PHASE), e.time_range) for e in events if host_range(e)]
     categories, phases, names = Counter(), Counter(), Counter()
     for name, at, us in device_work(events, device):
-        in_phase = next((p for p, r in spans if r.start <= at <= r.end), "outside the phases")
+        in_phase = next((p for p, r in spans if at is not None and r.start <= at <= r.end), "outside the phases")
         categories[by_category(name, in_phase)] += us
         phases[in_phase] += us
         names[name] += us

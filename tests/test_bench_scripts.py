@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,6 +170,30 @@ def test_datasheet_peaks_by_the_cards_name_and_none_for_a_card_not_listed():
     assert gpu_check.datasheet_peak("Tesla T4") == {"card": "Tesla T4", "tflops": 65.0, "dtype": "fp16"}
     assert gpu_check.datasheet_peak("NVIDIA L40S")["tflops"] is None  # not the L4's
     assert gpu_check.datasheet_peak("NVIDIA H100 NVL")["tflops"] is None
+
+
+def test_a_cuda_kernel_is_placed_at_its_launching_ops_host_time_and_the_devices_annotation_ranges_are_left_out():
+    def event(name, device, start, end, id=0, linked=0, annotation=False):
+        kind = SimpleNamespace(name=device)
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(
+            name=name,
+            device_type=kind,
+            time_range=span,
+            id=id,
+            linked_correlation_id=linked,
+            is_user_annotation=annotation,
+        )
+
+    events = [
+        event("gpu_check::forward", "CPU", 100, 200, id=1, annotation=True),
+        event("aten::mm", "CPU", 120, 130, id=7),
+        event("gpu_check::forward", "CUDA", 900, 990, annotation=True),  # the range drawn on the device's timeline
+        event("sm90_xmma_gemm_bf16", "CUDA", 950, 980, linked=7),  # ran long after the host left the range
+        event("Memcpy DtoD", "CUDA", 990, 995),  # linked to no op
+    ]
+    work = gpu_profile.device_work(events, torch.device("cuda"))
+    assert work == [("sm90_xmma_gemm_bf16", 120, 30), ("Memcpy DtoD", None, 5)]
 
 
 def test_kernels_fall_in_their_category_by_name_the_loss_before_attention_and_the_norm_before_elementwise():

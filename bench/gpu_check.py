@@ -132,7 +132,7 @@ def update_step(params, vocab: int, device: torch.device, compiled: bool, backen
     optimizer = make_optimizer(model, params.train.weight_decay, device)
     loss_of = StepLoss(model, params.train.label_smoothing)  # the model, its generator and the loss
     loss_of = transformer.training.train.compiled(loss_of, backend) if compiled else loss_of
-    bf16 = set_precision(params.train.precision, device)
+    bf16 = set_precision(params.train.precision, device) == torch.bfloat16  # fp16 is not timed here
 
     def update(micro: list[Batch]) -> None:
         tokens = sum(b.ntokens for b in micro)

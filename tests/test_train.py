@@ -595,8 +595,9 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the gradient scaler's skips read with the losses
 def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_interval(
-    tmp_path, vocab_dir, monkeypatch
+    tmp_path, vocab_dir, monkeypatch, precision
 ):
     # The reads an accelerator would wait for, counted on the CPU: packing off, as the code runs there.
     # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
@@ -624,6 +625,7 @@ def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_i
 
         monkeypatch.setattr(owners[name], name, counted)
     overrides = {"train.max_steps": 12, "train.rdrop": 5.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
+    overrides["train.precision"] = precision
     train_module.train(params_from_dict(tiny_params(**overrides)), vocab_dir, train_outputs(tmp_path / "run"))
     assert reads["_update"] == [[]] * 12
     read = [r for r in reads["sync"] if r]

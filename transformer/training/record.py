@@ -161,10 +161,10 @@ class RunRecord:
         """The one host sync of the loop: checks the pending losses, records and reports them."""
         if not self.pending:
             return {}
-        losses = torch.stack([x.loss for x in self.pending]).tolist()
-        skips = [x.skipped for x in self.pending if x.skipped is not None]
-        if skips:  # fp16's: read back with the losses, as late
-            self.progress.skipped_updates += int(torch.stack(skips).sum())
+        skips = [x.skipped.float() for x in self.pending if x.skipped is not None]  # fp16's, read with the losses
+        read = torch.stack([x.loss for x in self.pending] + skips).tolist()
+        losses = read[: len(self.pending)]
+        self.progress.skipped_updates += round(sum(read[len(self.pending) :]))
         elapsed, tokens, wait_s = self.clock.lap()
         self.progress.train_time_s += elapsed
         tokens_per_s = tokens * self.env.world / elapsed

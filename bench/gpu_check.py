@@ -164,7 +164,7 @@ def update_step(params: Any, vocab: int, device: torch.device, compiled: bool, b
     optimizer = make_optimizer(model, t.weight_decay, device)
     step_loss = StepLoss(model, t.label_smoothing, t.smoothing_zeroes_pad)
     whole = transformer.training.train.compiled(step_loss, backend) if compiled else None
-    bf16 = set_precision(t.precision, device)
+    bf16 = set_precision(t.precision, device) == torch.bfloat16  # fp16 is not timed here
 
     def micro_loss(batch: Batch, tokens: int) -> torch.Tensor:
         if whole is not None:

@@ -1,4 +1,4 @@
-"""GPU settings: bf16 only where the card computes it natively, TF32 for fp32 on a GPU and nowhere else."""
+"""GPU settings: bf16 only where the card computes it natively, else fp16; TF32 for fp32 on a GPU and nowhere else."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from conftest import BIN, ROOT, run, same_values, write_params
 
 from transformer import checkpoints
+from transformer.errors import TrainingError
 from transformer.training import distributed
 
 GPU = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
@@ -31,13 +32,31 @@ def test_auto_precision_on_a_gpu_picks_bf16_from_compute_capability_8_not_from_e
     assert distributed.use_bf16("bf16", GPU) is True and distributed.use_bf16("fp32", GPU) is False
 
 
+@pytest.mark.parametrize(
+    ("capability", "dtype"), [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16)]
+)
+def test_auto_precision_on_a_gpu_without_native_bf16_picks_fp16_and_on_a_cpu_never(monkeypatch, capability, dtype):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert distributed.autocast_dtype("auto", GPU) is dtype
+    assert distributed.autocast_dtype("fp16", GPU) is torch.float16 and distributed.autocast_dtype("fp32", GPU) is None
+    cpu = torch.device("cpu")
+    assert distributed.autocast_dtype("auto", cpu) is (torch.bfloat16 if distributed.use_bf16("auto", cpu) else None)
+    assert distributed.autocast_dtype("fp16", cpu) is torch.float16  # asked for: CPU autocast and the scaler run it
+
+
+def test_fp16_where_torch_cannot_autocast_to_it_is_a_clear_error():
+    assert distributed.set_precision("fp16", torch.device("cpu")) is torch.float16
+    with pytest.raises(TrainingError, match="fp16 cannot run on meta"):
+        distributed.set_precision("fp16", torch.device("meta"))  # a device type without autocast
+
+
 def test_fp32_on_a_gpu_multiplies_in_tf32_and_bf16_runs_and_cpus_leave_it_alone(monkeypatch, tf32):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert distributed.set_precision("fp32", GPU) is False and tf32() == (True, True)
-    assert distributed.set_precision("auto", GPU) is True and tf32() == (False, False)
+    assert distributed.set_precision("fp32", GPU) is None and tf32() == (True, True)
+    assert distributed.set_precision("auto", GPU) is torch.bfloat16 and tf32() == (False, False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     cpu_matmuls = torch.backends.mkldnn.matmul.fp32_precision
-    assert distributed.set_precision("fp32", torch.device("cpu")) is False and tf32() == (False, False)
+    assert distributed.set_precision("fp32", torch.device("cpu")) is None and tf32() == (False, False)
     assert torch.backends.mkldnn.matmul.fp32_precision == cpu_matmuls
 
 

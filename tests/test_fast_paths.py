@@ -15,6 +15,7 @@ from transformer.kernels import select
 from transformer.kernels.select import attention_kernels
 from transformer.kernels.softmax import float32_softmax
 from transformer.model.attention import MultiHeadAttention
+from transformer.training import precision as precision_module
 from transformer.training import train as train_module
 from transformer.training.loss import token_loss
 
@@ -90,17 +91,18 @@ def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
         assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"
 
 
-def test_cpu_bf16_training_attends_written_out(monkeypatch, vocab_dir, tmp_path):
+@pytest.mark.parametrize(("precision", "written_out"), [("bf16", True), ("fp16", False)])
+def test_cpu_training_attends_written_out_in_bf16_alone(monkeypatch, vocab_dir, tmp_path, precision, written_out):
     seen = []
-    original = train_module.attention_kernels
+    original = precision_module.attention_kernels
     monkeypatch.setattr(
-        train_module,
+        precision_module,
         "attention_kernels",
         lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16),
     )
-    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": "bf16"}))
+    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": precision}))
     train_module.train(params, vocab_dir, train_outputs(tmp_path))
-    assert seen and set(seen) == {("cpu", True)}
+    assert seen and set(seen) == {("cpu", written_out)}
     calls = _sdpa_calls(monkeypatch)
     model = _model(N=2).train()
     for bf16, expected in ((True, 0), (False, 3 * 2)):  # fp32: torch's own choice (flash), per attention

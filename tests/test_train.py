@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -594,8 +595,9 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
     _assert_same_training(_final_weights(tmp_path / "nodes"), _final_weights(local))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the gradient scaler's skips read with the losses
 def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_interval(
-    tmp_path, vocab_dir, monkeypatch
+    tmp_path, vocab_dir, monkeypatch, precision
 ):
     # The reads an accelerator would wait for, counted on the CPU: packing off, as the code runs there.
     # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
@@ -623,6 +625,7 @@ def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_i
 
         monkeypatch.setattr(owners[name], name, counted)
     overrides = {"train.max_steps": 12, "train.rdrop": 5.0, "train.rdrop_share": 0.5, "model.dropout": 0.1}
+    overrides["train.precision"] = precision
     train_module.train(params_from_dict(tiny_params(**overrides)), vocab_dir, train_outputs(tmp_path / "run"))
     assert reads["_update"] == [[]] * 12
     read = [r for r in reads["sync"] if r]
@@ -864,6 +867,9 @@ class _Recorder:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.metrics.append(metrics | {"step": step})
 
+    def log_rows(self, rows: list[dict[str, float]]) -> None:
+        self.metrics.extend(rows)
+
     def __getattr__(self, name: str):
         return lambda *args, **kwargs: None
 
@@ -969,3 +975,79 @@ def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(
     assert summary["steps"] > 10 and summary["batch_shapes"][1] > graphs  # fewer traces than shapes
     assert 0 < graphs <= 8, graphs  # each frame once, and again at most where duck sizing guessed S == T
     assert "recompile_limit" not in caplog.text and math.isfinite(summary["val_loss"])
+
+
+@contextlib.contextmanager
+def _linear_outputs(overflow_first: bool = False):
+    """The dtypes of the outputs of every Linear run with gradients while the body runs, seen through
+    torch's public global module hook. With `overflow_first`, the gradient reaching the first such
+    output is inf: the first backward pass of the body overflows while its forward pass and its loss
+    stay finite."""
+    dtypes: list[torch.dtype] = []
+
+    def seen(module, args, output):
+        if isinstance(module, torch.nn.Linear) and output.requires_grad:
+            if overflow_first and not dtypes:
+                output.register_hook(lambda grad: torch.full_like(grad, math.inf))
+            dtypes.append(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(seen)
+    try:
+        yield dtypes
+    finally:
+        handle.remove()
+
+
+def test_fp16_training_autocasts_to_float16_scales_its_loss_and_learns(tmp_path, vocab_dir):
+    from transformer.training.train import train
+
+    params = params_from_dict(tiny_params(**{"train.epochs": 3, "train.precision": "fp16"}))
+    with _linear_outputs() as dtypes:
+        (summary,) = train(params, vocab_dir, train_outputs(tmp_path))
+    assert set(dtypes) == {torch.float16}
+    validations = _validations(tmp_path)
+    assert validations[-1]["val_loss"] < validations[0]["val_loss"] - 0.5  # nats per token
+    # Each skipped update halved the scale from torch's 2^16; growth needs 2,000 finite updates in a row.
+    assert _final(tmp_path)["scaler"]["scale"] == 2.0**16 / 2 ** summary["skipped_updates"]
+
+
+def test_an_overflowed_fp16_update_is_skipped_counted_and_resumed_as_the_uninterrupted_run(
+    tmp_path, vocab_dir, monkeypatch
+):
+    """The first update's gradients overflow: the scaler skips it (the run keeps its initial weights
+    through it), train.json and MLflow count it, and a run killed after it resumes with the scaler's
+    scale and growth tracker, and ends with the uninterrupted run's weights, optimizer and scaler."""
+    import transformer.training.train as train_module
+
+    overrides = {"train.epochs": 2, "train.save_every": 1, "train.keep": 30, "train.precision": "fp16"}
+    params = params_from_dict(tiny_params(**overrides))
+    whole = _Recorder()
+    with _linear_outputs(overflow_first=True):
+        (summary,) = train_module.train(params, vocab_dir, train_outputs(tmp_path / "whole"), whole.factory)
+    first, second, last = (
+        checkpoints.load(checkpoints.path_for(tmp_path / "whole" / "ckpt", s)) for s in (1, 2, summary["steps"])
+    )
+    torch.manual_seed(params.train.seed)  # the initial weights, as training draws them
+    initial = train_module.make_model(**first["model_config"]).state_dict()
+    assert same_values(first["model"], initial) and not same_values(second["model"], initial)
+    assert first["scaler"] == last["scaler"] | {"scale": 2.0**15, "_growth_tracker": 0}
+    assert last["scaler"]["scale"] == 2.0**15 and last["scaler"]["_growth_tracker"] == summary["steps"] - 1
+    assert summary["skipped_updates"] == 1
+    assert json.loads((tmp_path / "whole" / "reports" / "train.json").read_text())["skipped_updates"] == 1
+    assert [m["skipped_updates"] for m in whole.metrics if "skipped_updates" in m][-1] == 1
+
+    update = train_module.Trainer._update
+
+    def dying(loop, group):
+        if loop.progress.step == 5:  # after the checkpoint of step 5
+            raise RuntimeError("killed")
+        update(loop, group)
+
+    monkeypatch.setattr(train_module.Trainer, "_update", dying)
+    with _linear_outputs(overflow_first=True), pytest.raises(RuntimeError, match="killed"):
+        train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
+    monkeypatch.setattr(train_module.Trainer, "_update", update)
+    (resumed,) = train_module.train(params, vocab_dir, train_outputs(tmp_path / "killed"))
+    again = _final(tmp_path / "killed")
+    assert resumed["skipped_updates"] == 1 and again["step"] == last["step"]
+    assert all(same_values(again[k], last[k]) for k in ("model", "optimizer", "scaler"))

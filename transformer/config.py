@@ -162,8 +162,9 @@ class TrainConfig:
     )
     rdrop_shared_encoder: bool = param("`true`: one encoder pass for both R-Drop passes")
     precision: str = param(
-        "`auto`: bf16 where the hardware computes it natively, else fp32 (docs/scale.md)",
-        one_of("auto", "fp32", "bf16"),
+        "`auto`: bf16 where the hardware computes it natively, else fp16 with a gradient scaler on a GPU, "
+        "else fp32 (docs/scale.md)",
+        one_of("auto", "fp32", "bf16", "fp16"),
     )
     compile: bool = param("`torch.compile` the model, its generator and the loss (every batch size symbolic)")
     ddp_bf16_grads: bool = param(

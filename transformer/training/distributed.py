@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,17 +160,47 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return capability in ("AVX512_BF16", "AMX") or (capability.startswith("AVX512") and _cpu_has("avx512_bf16"))
 
 
-def set_precision(precision: str, device: torch.device) -> bool:
-    """Whether to train in bf16 (use_bf16), and on a GPU the matmuls' precision to go with it:
-    fp32 runs multiply in TF32 (fp32's range, a 10-bit mantissa, on Ampere and later; older cards
-    ignore the flag), several times fp32's speed, as cuBLAS does by default on other frameworks.
-    CPUs are left alone: torch's global set_float32_matmul_precision would let oneDNN round
-    their fp32 matmuls too."""
-    bf16 = use_bf16(precision, device)
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype training autocasts to, None for fp32: bf16 where use_bf16 says; fp16 where asked for,
+    and under auto on a GPU without native bf16, whose fp16 tensor cores reach back to Volta (fp16's
+    5-bit exponent then needs the gradient scaler, training/precision.py). auto never picks fp16 on a
+    CPU: its cores compute fp16 no faster than fp32, so there auto stays with bf16 or fp32."""
+    if use_bf16(precision, device):
+        return torch.bfloat16
+    if precision == "fp16" or (precision == "auto" and device.type == "cuda"):
+        return torch.float16
+    return None
+
+
+def _check_fp16(device: torch.device) -> None:
+    """A clear error where torch cannot autocast to fp16 on `device`: its autocast would only warn,
+    disable itself and train in fp32 under a run that says fp16."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.amp.is_autocast_available(device.type)
+        if available:
+            with torch.autocast(device.type, dtype=torch.float16):
+                pass
+    if not available or caught:
+        raise TrainingError(
+            f"train.precision: fp16 cannot run on {device} with torch {torch.__version__} "
+            "(no fp16 autocast there): choose auto, bf16 or fp32"
+        )
+
+
+def set_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype training autocasts to (autocast_dtype; None: fp32), and on a GPU the matmuls'
+    precision to go with it: fp32 runs multiply in TF32 (fp32's range, a 10-bit mantissa, on Ampere
+    and later; older cards ignore the flag), several times fp32's speed, as cuBLAS does by default on
+    other frameworks. CPUs are left alone: torch's global set_float32_matmul_precision would let
+    oneDNN round their fp32 matmuls too."""
+    dtype = autocast_dtype(precision, device)
+    if dtype == torch.float16:
+        _check_fp16(device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = not bf16
-        torch.backends.cudnn.allow_tf32 = not bf16
-    return bf16
+        torch.backends.cuda.matmul.allow_tf32 = dtype is None
+        torch.backends.cudnn.allow_tf32 = dtype is None
+    return dtype
 
 
 def _cpu_has(flag: str) -> bool:

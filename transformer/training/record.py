@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.amp import GradScaler
+from torch.optim import Optimizer
 
 from transformer import checkpoints
 from transformer.config import TRAIN_SECTIONS, Params, flatten
@@ -27,6 +30,16 @@ def say(env: Dist, message: str) -> None:
     """A line on stderr from rank 0 alone: the other ranks would repeat it."""
     if env.main:
         print(message, file=sys.stderr, flush=True)
+
+
+def progress_bar(env: Dist, total: int, initial: int, desc: str):
+    """An epoch's progress bar, rank 0's: the other ranks' would repeat it."""
+    from tqdm import tqdm
+
+    disable = not env.main
+    return tqdm(
+        total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, mininterval=2, dynamic_ncols=True
+    )
 
 
 def rank0(method):
@@ -86,6 +99,7 @@ class Stepped:
     loss: torch.Tensor  # summed over this rank's target tokens, on the device
     tokens: int  # this rank's target tokens
     lr: float
+    skipped: torch.Tensor | None = None  # under fp16: whether the scaler skipped it (gradients overflowed)
 
 
 class RunRecord:
@@ -132,15 +146,6 @@ class RunRecord:
     def say(self, message: str) -> None:
         say(self.env, message)
 
-    def bar(self, total: int, initial: int, desc: str):
-        """The epoch's progress bar, rank 0's."""
-        from tqdm import tqdm
-
-        disable = not self.env.main
-        return tqdm(
-            total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, mininterval=2, dynamic_ncols=True
-        )
-
     def count_shapes(self, shapes: int) -> None:
         """The epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
         self.batch_shapes[self.progress.epoch + 1] = shapes
@@ -156,7 +161,10 @@ class RunRecord:
         """The one host sync of the loop: checks the pending losses, records and reports them."""
         if not self.pending:
             return {}
-        losses = torch.stack([x.loss for x in self.pending]).tolist()
+        skips = [x.skipped.float() for x in self.pending if x.skipped is not None]  # fp16's, read with the losses
+        read = torch.stack([x.loss for x in self.pending] + skips).tolist()
+        losses = read[: len(self.pending)]
+        self.progress.skipped_updates += round(sum(read[len(self.pending) :]))
         elapsed, tokens, wait_s = self.clock.lap()
         self.progress.train_time_s += elapsed
         tokens_per_s = tokens * self.env.world / elapsed
@@ -171,16 +179,18 @@ class RunRecord:
                 )
             rows.append({"step": x.step, "loss": loss / x.tokens, "lr": x.lr, "tokens_per_s": tokens_per_s})
         self.pending = []
-        self._keep(rows, 1000 * wait_s / len(rows))
+        self._keep(rows, 1000 * wait_s / len(rows), counts_skips=bool(skips))
         last = rows[-1]
         return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
 
     @rank0
-    def _keep(self, rows: list[dict[str, float]], wait_ms: float) -> None:
-        """The updates' rows in the run's history, and in MLflow with the mean batch wait."""
+    def _keep(self, rows: list[dict[str, float]], wait_ms: float, counts_skips: bool) -> None:
+        """The updates' rows in the run's history, and in MLflow with the mean batch wait and, under
+        fp16 (`counts_skips`), the updates the gradient scaler has skipped so far."""
         self.progress.steps.extend(rows)
+        skipped = {"skipped_updates": self.progress.skipped_updates} if counts_skips else {}
         if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
-            self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms}])
+            self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms} | skipped])
 
     @rank0
     def validated(self, epoch: float, measure) -> None:
@@ -203,14 +213,17 @@ class RunRecord:
         self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
 
     @rank0
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: list[dict], stopped: bool) -> None:
-        """A checkpoint of the run so far (every rank's generators, `rng`), the old ones pruned, and the
-        reports; weights that became non-finite stop the run instead."""
+    def save(self, model: nn.Module, optimizer: Optimizer, rng: list[dict], stopped: bool, scaler: GradScaler) -> None:
+        """A checkpoint of the run so far (every rank's generators, `rng`; fp16's gradient scaler,
+        `scaler`, where enabled), the old ones pruned, and the reports; weights that became non-finite
+        stop the run instead."""
         pr = self.progress
         _check_finite(model, pr, self.out.checkpoints)
         path = checkpoints.path_for(self.out.checkpoints, pr.step)
         pr.wall_s = self.clock.wall_s()
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if scaler.is_enabled():  # other checkpoints hold none, as those written before fp16
+            state["scaler"] = scaler.state_dict()
         checkpoints.save(path, state | _run_state(self.params, self.env, pr, rng) | self.meta)
         a = self.params.average  # with select best, its candidates stay until better ones replace them
         best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
@@ -263,6 +276,7 @@ def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict
         "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
         "history": {"steps": pr.steps, "epochs": pr.epochs},
         "mlflow_run_id": pr.mlflow_run_id,
+        "skipped_updates": pr.skipped_updates,
     }
 
 
@@ -282,6 +296,7 @@ def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in recent) / len(recent), 1) if recent else None,
         "batch_wait_s": round(clock.batch_wait_s, 3),
         "restarts": restarts(),  # by torchrun, in this invocation
+        "skipped_updates": pr.skipped_updates,  # by fp16's gradient scaler, over the run
     }
 
 

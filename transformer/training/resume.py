@@ -55,6 +55,7 @@ class Progress:
     steps: list[dict[str, float]] = field(default_factory=list)
     epochs: list[dict[str, float]] = field(default_factory=list)
     mlflow_run_id: str | None = None
+    skipped_updates: int = 0  # by fp16's gradient scaler (training/precision.py)
 
 
 def comparable(identity: dict[str, Any]) -> dict[str, Any]:
@@ -68,11 +69,12 @@ def comparable(identity: dict[str, Any]) -> dict[str, Any]:
     return {"params": {**params, "train": train}, "data": identity.get("data")}
 
 
-def resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist, epoch_updates) -> Progress:
+def resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dist, epoch_updates, scaler) -> Progress:
     """Continues from rank 0's newest checkpoint, sent to every rank: nodes other than 0 need no
     copy of the checkpoint directory. Each rank takes back its own RNG state, or, where the
     checkpoint was saved by fewer ranks, starts a stream of its own. `epoch_updates(epoch)`: the
-    updates of that epoch under the current params (the schedule's length)."""
+    updates of that epoch under the current params (the schedule's length). `scaler`: fp16's
+    gradient scaler, which takes back its scale and growth tracker from a checkpoint of an fp16 run."""
     if env.world > 1:
         check_same_run(identity, env)
     state = read_resume_state(ckpt_dir, identity, epoch_updates) if env.main else None
@@ -82,6 +84,8 @@ def resume(ckpt_dir: Path, identity: dict, model: nn.Module, optimizer, env: Dis
         return Progress()
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if state["scaler"] is not None:  # train.precision is part of the run: only an fp16 run's has one
+        scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
     if not checkpoints.restore_rng(state["rng"], env.rank, env.device):
         seed = identity["params"]["train"]["seed"]
@@ -131,8 +135,10 @@ def read_resume_state(ckpt_dir: Path, identity: dict, epoch_updates) -> dict[str
                 "steps": h["steps"],
                 "epochs": h["epochs"],
                 "mlflow_run_id": ckpt.get("mlflow_run_id"),
+                "skipped_updates": ckpt.get("skipped_updates", 0),
             }
-            return {"model": ckpt["model"], "optimizer": ckpt["optimizer"], "rng": ckpt["rng"], "progress": progress}
+            kept = {k: ckpt[k] for k in ("model", "optimizer", "rng")}
+            return kept | {"scaler": ckpt.get("scaler"), "progress": progress}
         aside = set_aside(ckpt_dir, found)
         print(f"{found[-1]}: not resumed, {why}; its run moved to {aside}; starting afresh", file=sys.stderr)
     ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -34,11 +34,11 @@ from transformer.data.vocab import PAD, load_vocabs, vocab_from_state
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file
 from transformer.kernels.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
-from transformer.kernels.select import attention_kernels
 from transformer.model.model import make_model
-from transformer.training.distributed import Dist, gathered, process_group, rank_seed, set_precision, wrap_ddp
+from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
 from transformer.training.loss import batch_loss
-from transformer.training.record import Clock, RunRecord, Stepped, bleus, say
+from transformer.training.precision import Precision
+from transformer.training.record import Clock, RunRecord, Stepped, bleus, progress_bar, say
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
 from transformer.training.validation import Validation, ValidationData
@@ -142,6 +142,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     split: TrainingSplit  # the training pairs, re-segmented each epoch under BPE-dropout
     valid: ValidationData
+    precision: Precision  # its autocast, and under fp16 the gradient scaler
 
 
 def _prepare(params: Params, env: Dist, inputs: Inputs, out: Outputs) -> tuple[Setup, Progress, dict[str, Any]]:
@@ -156,12 +157,19 @@ def _prepare(params: Params, env: Dist, inputs: Inputs, out: Outputs) -> tuple[S
     model = make_model(**_model_config(params, src_vocab, tgt_vocab))
     model.to(env.device)
     optimizer = make_optimizer(model, p.weight_decay, env.device)
+    precision = Precision(p.precision, env.device)
     if env.rank:
         torch.manual_seed(rank_seed(p.seed, env.rank))  # dropout's masks: a stream of its own
     # Not train.members: a run trained alone resumes, or stays finished, as the first member of an ensemble.
     identity = {"params": training_params(params.to_dict()), "data": data_fingerprint(inputs.vocab_dir, "train")}
     progress = resume(
-        out.checkpoints, identity, model, optimizer, env, lambda epoch: len(epoch_groups(split.fixed, p, epoch))
+        out.checkpoints,
+        identity,
+        model,
+        optimizer,
+        env,
+        lambda epoch: len(epoch_groups(split.fixed, p, epoch)),
+        scaler=precision.scaler,
     )
     meta = {
         "model_config": _model_config(params, src_vocab, tgt_vocab),
@@ -169,7 +177,7 @@ def _prepare(params: Params, env: Dist, inputs: Inputs, out: Outputs) -> tuple[S
         "identity": identity,
     }
     valid = ValidationData(valid, refs, vocab_from_state(meta["vocab"]["tgt"]))
-    return Setup(params, env, model, optimizer, split=split, valid=valid), progress, meta
+    return Setup(params, env, model, optimizer, split=split, valid=valid, precision=precision), progress, meta
 
 
 def make_optimizer(model: nn.Module, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
@@ -279,8 +287,8 @@ class Trainer:
         ddp = wrap_ddp(step, p.ddp_bf16_grads) if self.env.world > 1 else step
         self.step_model = compiled(ddp) if p.compile else ddp
         self.corpus = setup.split.fixed  # the current epoch's pairs
-        self.bf16 = set_precision(p.precision, self.env.device)
-        self.validation = Validation(self.model, setup.valid, self.params, self.env, self.autocast)
+        self.precision = setup.precision
+        self.validation = Validation(self.model, setup.valid, self.params, self.env, self.precision.autocast)
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.stopped, self.validated_at = False, -1
 
@@ -336,7 +344,7 @@ class Trainer:
 
     def _epoch(self, groups: list[list[list[int]]]) -> None:
         pr, env = self.progress, self.env
-        bar = self.record.bar(len(groups), pr.step_in_epoch, f"epoch {pr.epoch + 1}/{self.p.epochs}")
+        bar = progress_bar(env, len(groups), pr.step_in_epoch, f"epoch {pr.epoch + 1}/{self.p.epochs}")
         self.record.clock.open_window()
         left = groups[pr.step_in_epoch :]
         with Prefetch(self.corpus, left, env.rank, env.world, env.device, self.p.pad_multiple) as updates:
@@ -372,13 +380,14 @@ class Trainer:
             batch = batch.to(env.device)
             last = i == len(update.batches) - 1
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
-            with sync, self.autocast():
+            with sync, self.precision.autocast():
                 loss = self.step_model(batch, self._rdrop())
-                (loss * (env.world / update.total)).backward()
+                self.precision.backward(loss * (env.world / update.total))
             loss_sum += loss.detach()
-        self.optimizer.step()
+        skipped = self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.record.updated(Stepped(pr.step + 1, pr.step_in_epoch, loss_sum, update.mine, lr), update.wait_s)
+        stepped = Stepped(pr.step + 1, pr.step_in_epoch, loss_sum, update.mine, lr, skipped=skipped)
+        self.record.updated(stepped, update.wait_s)
         pr.step += 1
         pr.step_in_epoch += 1
 
@@ -387,13 +396,6 @@ class Trainer:
         planned updates on, 0 before. A function of the step, so a resumed run switches where the
         uninterrupted one does."""
         return self.p.rdrop if self.progress.step >= self.p.rdrop_from * self.planned_updates else 0.0
-
-    def autocast(self) -> contextlib.ExitStack:
-        """bf16 autocast where enabled, with the attention kernels that suit it."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.bf16))
-        stack.enter_context(attention_kernels(self.env.device, self.bf16))
-        return stack
 
     def _validate_and_save(self, epoch: float) -> None:
         """A validation (rank 0's: loss, and BLEU with references), a checkpoint, then early stopping's verdict."""
@@ -411,4 +413,5 @@ class Trainer:
         # Every rank's generators, so that each resumes its own dropout masks, and its memory peak.
         ranks = gathered({"rng": checkpoints.rng_state(self.env.device), "peak": peak_rss_mb()}, self.env)
         self.record.peaks = [r["peak"] for r in ranks]
-        self.record.save(self.model, self.optimizer, [r["rng"] for r in ranks], self.stopped)
+        rng = [r["rng"] for r in ranks]
+        self.record.save(self.model, self.optimizer, rng, self.stopped, scaler=self.precision.scaler)

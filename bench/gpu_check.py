@@ -293,7 +293,7 @@ def loss_row(plan: Plan) -> dict[str, Any]:
     params = preset_params(PRESETS["base"], plan.tiny)
     t, vocab = params.train, params.vocab.size
     generator = model_of(params, vocab, plan.device).generator
-    bf16 = set_precision(t.precision, plan.device)
+    bf16 = set_precision(t.precision, plan.device) == torch.bfloat16  # fp16 is not timed here
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(t.max_tokens, params.model.d_model, generator=g).to(plan.device).requires_grad_()
     target = torch.randint(4, vocab, (t.max_tokens,), generator=g)

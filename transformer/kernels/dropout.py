@@ -1,5 +1,6 @@
-"""Dropout masks on a CPU that are the same on every CPU, and cheap to draw: the twin of
-F.dropout(x, p) (tests/test_dropout.py holds it to its rate, scale and gradient).
+"""Dropout masks on a CPU that are the same on every CPU, and cheap to draw: dropout, the twin of
+F.dropout(x, p), and MaskDropout, of nn.Dropout (tests/test_dropout.py holds it to its rate, scale
+and gradient).
 
 On a CPU, torch's dropout draws its mask with MKL's generator where the CPU is Intel's and
 else with its Mersenne Twister, one 64-bit draw a value, single-threaded: about an eighth of
@@ -12,6 +13,7 @@ kept ones scaled by the inverse of the rounded keep rate.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 _LEVELS = 1 << 16  # a mask value is 16 random bits
 
@@ -24,3 +26,12 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     # and torch.where, which would take a bool one as it is, runs slower than a product does
     keep = torch.ge(bits.view(torch.int16)[: x.numel()].view(x.shape), dropped - _LEVELS // 2, out=torch.empty_like(x))
     return x * keep * (_LEVELS / (_LEVELS - dropped))
+
+
+class MaskDropout(nn.Dropout):
+    """nn.Dropout drawing its masks with `dropout` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.numel() == 0:
+            return x
+        return dropout(x, self.p)

@@ -1,7 +1,7 @@
-"""The loss's CPU fast paths, held to the plain definitions of transformer/training/loss.py by
-tests/test_loss.py: the generator and the loss fused, a chunk of rows at a time (fused_loss), and
-R-Drop's loss from whole logits (blocked_rdrop). Both write the loss's gradient out by hand and work a
-block of rows at a time, so that a block's intermediates stay in the CPU's cache."""
+"""The loss on a CPU (FusedLoss, the twin of training/loss.py's Loss; tests/test_loss.py holds it to
+the definitions): the generator and the loss fused, a chunk of rows at a time, on the non-pad positions
+alone, its gradient written out by hand a block of rows at a time, so that a block's intermediates
+stay in the CPU's cache."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.kernels import packing
+from transformer.kernels import linear, packing
+from transformer.training.loss import Loss
 
 _BLOCK = 1 << 18  # values (rows x V) in a block of the loss on a CPU: its steps' intermediates then stay in cache
 # Logits (rows x V) in a chunk of the fused loss: 64 MB in float32, so a chunk's few (rows, V) tensors
@@ -31,48 +32,34 @@ class LossSpec:
     alpha: float | None = None
 
 
+class FusedLoss(Loss):
+    """Loss computed by fused_loss on the non-pad positions alone: padding costs no vocabulary
+    projection. Whole, the loss holds about three float32 tensors of every logit at its peak (the
+    logits, the log-probabilities, their gradient): at the paper's 25k tokens x 37k, about 11 GB.
+    Only on a CPU, whose host knows the count of the non-pad positions without waiting for a device."""
+
+    def forward(self, generator, hidden, tgt_out, smoothing=None) -> torch.Tensor:
+        spec = LossSpec(self.pad, self.smoothing if smoothing is None else smoothing, self.zero_pad)
+        if not self._fuses(generator, tgt_out):
+            return super().forward(generator, hidden, tgt_out, smoothing)
+        keep = tgt_out != self.pad
+        return fused_loss(generator, hidden[keep], tgt_out[keep], spec)
+
+    def rdrop(self, generator, hidden, tgt_out, alpha) -> torch.Tensor:
+        if not self._fuses(generator, tgt_out):
+            return super().rdrop(generator, hidden, tgt_out, alpha)
+        both = tgt_out.repeat(2, 1)  # the rows: the first pass's, then the second's
+        keep = both != self.pad
+        return fused_loss(generator, hidden[keep], both[keep], LossSpec(self.pad, self.smoothing, self.zero_pad, alpha))
+
+    def _fuses(self, generator, tgt_out) -> bool:
+        """Whether there are rows to fuse, with a generator whose math fused_loss repeats."""
+        return isinstance(generator, nn.Linear) and bool((tgt_out != self.pad).any())
+
+
 def fused_loss(generator: nn.Linear, rows: torch.Tensor, target: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """The loss of the generator's logits of rows (m, d_model), computed by _Fused a chunk of rows at a time."""
     return _Fused.apply(rows, generator.weight, generator.bias, target, spec, torch.is_grad_enabled())
-
-
-@torch.compiler.disable  # dynamo fails on _RDrop's sizes derived from a symbolic batch: compiled, it runs eager
-def blocked_rdrop(logits: torch.Tensor, target: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """R-Drop's loss of the logits (2m, V), computed by _RDrop."""
-    return _RDrop.apply(logits, target, spec)
-
-
-class _RDrop(torch.autograd.Function):
-    """R-Drop's loss from the logits (2n, V) with its gradient written out, a few pairs of rows at a time.
-
-    Left to autograd, the same formula keeps about a dozen (n, V) intermediates and runs the
-    log-softmax twice; over a 6k vocabulary they cost as much as the generator's matmuls.
-    With lp the log-probabilities, P = exp(lp), dl = lp1 - lp2 and dP = P1 - P2 per pair of rows:
-
-        loss = sum over kept rows of ce / 2, plus alpha / 4 times sum over kept pairs of <dP, dl>
-        d loss / d lp1 = alpha / 4 (P1 dl + dP) - (the smoothed target) / 2,  likewise for lp2 with dl, dP negated
-        d loss / d logits = g - P * sum(g)  (the log-softmax's backward, per row)
-
-    Every step is per row, so the forward computes that gradient too, a block of rows at a
-    time: their intermediates stay in the CPU's cache instead of crossing memory once per
-    step, and only the gradient is kept for the backward. Rows are computed alike in a block
-    or whole, so the gradient is bit for bit what the whole tensor's steps give."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-        ce, kl, g = _rdrop_rows(logits, target, spec)
-        ctx.save_for_backward(g)
-        ctx.dtype = logits.dtype
-        return _rdrop_sum(ce, kl, target != spec.pad, spec.alpha)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (g,) = ctx.saved_tensors
-        out, rows = torch.empty_like(g, dtype=ctx.dtype), _block_rows(g)
-        # block by block, each read from memory once; g itself is kept: a graph may be run backward twice
-        for start in range(0, g.size(0), rows):
-            out[start : start + rows] = g[start : start + rows] * grad
-        return out, None, None
 
 
 def _rdrop_rows(
@@ -189,14 +176,14 @@ class _Chunks:
     row i of the first pass and row n + i of the second): the loss, and d loss / d hidden, weight, bias."""
 
     def __init__(self, hidden, weight, bias, target: torch.Tensor, spec: LossSpec):
-        self.dtype = packing.matmul_dtype(hidden)
+        self.dtype = linear.matmul_dtype(hidden)
         self.w = weight.to(self.dtype)  # cast once, as autocast's cache does
         self.b = None if bias is None else bias.to(self.dtype)
         self.hidden, self.spec, self.pairs, self.m = hidden, spec, 2 if spec.alpha is not None else 1, target.size(0)
         # Where oneDNN builds a kernel per shape, the last chunk is padded to row_bucket's sizes (as
-        # select.Linear pads its rows) with rows of a spare index m: they read row m - 1, target pad
+        # PaddedLinear pads its rows) with rows of a spare index m: they read row m - 1, target pad
         # (so their gradient is 0), and write their terms to a spare last entry, dropped after.
-        self.buckets = packing.builds_kernels(hidden)
+        self.buckets = linear.builds_kernels(hidden)
         spare = int(self.buckets)
         self.target = F.pad(target, (0, spare), value=spec.pad)
         self.ce = hidden.new_empty(self.m + spare, dtype=torch.promote_types(self.dtype, torch.float32))
@@ -215,7 +202,7 @@ class _Chunks:
 
     def _index(self, start: int, rows: int, step: int) -> torch.Tensor:
         """The rows of a chunk of `rows` rows (pairs) from `start`, padded to a bucket with the spare index m."""
-        size = min(packing.row_bucket(rows), step) if self.buckets else rows
+        size = min(linear.row_bucket(rows), step) if self.buckets else rows
         index = torch.full((size,), self.m, device=self.hidden.device)
         index[:rows] = torch.arange(start, start + rows, device=self.hidden.device)
         n = self.m // self.pairs

@@ -1,13 +1,19 @@
-"""Packed batches: the token-wise layers skip the padding of a padded batch, with the padded batch's
-result (Packing; tests/test_packing.py holds the packed model to the padded one). And a Linear's rows
-padded to a few sizes where a CPU builds a kernel for every shape (padded_linear, the twin of F.linear)."""
+"""Packed batches, the twin of the model's forward for a mostly padded batch side: the token-wise layers
+run on its real tokens alone, with the padded batch's result (tests/test_packing.py holds the packed
+model to the plain one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from transformer.model.attention import Mask, MultiHeadAttention
+from transformer.model.model import Transformer
+
+# Pack a batch side whose real tokens fill less than this share of its positions: below it packing
+# gains, above it gathering the tokens costs more than the padding it skips.
+PACK_BELOW = 0.8
 
 
 def counts_on_host(t: torch.Tensor) -> bool:
@@ -15,78 +21,6 @@ def counts_on_host(t: torch.Tensor) -> bool:
     the values are the host's; on an accelerator the host would wait for the device to get there,
     and under torch.compile a shape sized by a count would break the graph."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul of x runs in: autocast's where it is on (it casts float32 and
-    float16/bf16, never float64), else x's own."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
-def row_bucket(rows: int) -> int:
-    """rows rounded up to one of eight sizes an octave (a multiple of 8, at most 1/8 more)."""
-    multiple = max(8, 1 << max(0, rows.bit_length() - 4))
-    return -(-rows // multiple) * multiple
-
-
-def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), its rows (all dims but the last) padded up to row_bucket's sizes. Where a
-    CPU runs it in a half dtype, oneDNN builds a kernel for each shape it meets, which takes longer than
-    running it at this model's sizes, and token batches give every update new row counts (its tokens,
-    B x T or packed): padded, they repeat from update to update, and the kernels are reused from
-    oneDNN's cache (docs/speed.md). fp32 runs on MKL, which builds nothing; CUDA pads nothing."""
-    rows = x.shape[:-1].numel()
-    size = row_bucket(rows)
-    if size == rows:
-        return F.linear(x, weight, bias)
-    y = _PaddedLinear.apply(x.reshape(rows, x.size(-1)), weight, bias, size, matmul_dtype(x))
-    return y.view(*x.shape[:-1], y.size(-1))
-
-
-class _PaddedLinear(torch.autograd.Function):
-    """F.linear of x (rows, in) in `dtype` (autocast's), on x's rows padded with zeros to `size`, and
-    its backward on the output's gradient padded alike. Each is one copy into the padded buffer, cast
-    on the way; autograd's cast, pad and slice would copy twice each way, and zero whole buffers."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, size: int, dtype: torch.dtype) -> torch.Tensor:
-        padded, w = _padded(x, size, dtype), weight.to(dtype)  # the weight cast once, as autocast's cache does
-        with torch.autocast(x.device.type, enabled=False):  # the dtype is chosen above, as autocast would
-            y = F.linear(padded, w, None if bias is None else bias.to(dtype))
-        ctx.save_for_backward(padded, w)
-        ctx.dtypes = x.dtype, weight.dtype, None if bias is None else bias.dtype
-        return y[: x.size(0)]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        padded, w = ctx.saved_tensors
-        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        g = _padded(grad, padded.size(0), w.dtype)
-        d_x = (g @ w)[: grad.size(0)].to(x_dtype) if ctx.needs_input_grad[0] else None
-        d_weight = (g.t() @ padded).to(weight_dtype) if ctx.needs_input_grad[1] else None
-        d_bias = g.sum(0).to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
-        return d_x, d_weight, d_bias, None, None
-
-
-def _padded(x: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """x (rows, n) in dtype, followed by rows of zeros up to `size` rows."""
-    out = x.new_empty(size, x.size(1), dtype=dtype)
-    out[: x.size(0)] = x
-    out[x.size(0) :].zero_()
-    return out
-
-
-def builds_kernels(x: torch.Tensor) -> bool:
-    """Whether a matmul of x runs on oneDNN, which builds a kernel for each shape: on a CPU in bf16
-    or float16 (not when torch.compile traces it: its shapes are symbolic there)."""
-    return (
-        x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and matmul_dtype(x) in (torch.bfloat16, torch.float16)
-    )
 
 
 @dataclass(frozen=True)
@@ -112,3 +46,67 @@ class Packing:
         return (
             x.new_zeros(self.rows * self.length, *rest).index_copy(0, self.index, x).view(self.rows, self.length, *rest)
         )
+
+
+def packing_of(tokens: torch.Tensor, pad: int) -> Packing | None:
+    """The packing of `tokens` (B, T), or None where it does not pay: a side that is mostly real
+    tokens, or where counting them does not come free (counts_on_host)."""
+    if not counts_on_host(tokens):
+        return None
+    real = (tokens != pad).flatten()
+    if int(real.sum()) >= PACK_BELOW * real.numel():
+        return None
+    return Packing(real.nonzero().squeeze(1), *tokens.shape)
+
+
+def pack(packing: Packing | None, x: torch.Tensor) -> torch.Tensor:
+    return x if packing is None else packing.pack(x)
+
+
+def unpack(packing: Packing | None, x: torch.Tensor) -> torch.Tensor:
+    return x if packing is None else packing.unpack(x)
+
+
+@dataclass(frozen=True)
+class PackedMask(Mask):
+    """A Mask that also says how the two sides an attention joins are laid out: the queries' side
+    (`queries`) and the memory's (`memory`), each packed or, with None, padded (B, T, d_model)."""
+
+    queries: Packing | None = None
+    memory: Packing | None = None
+
+
+class PackedTransformer(Transformer):
+    """Transformer whose forward runs each mostly padded batch side packed (packing_of). Only forward:
+    decoding one token at a time has no padding on its target side to skip."""
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        keys, src_packing = self.src_mask(src).keys, packing_of(src, self.pad)
+        memory = self.dropout(pack(src_packing, self.source_embeddings(src)))
+        memory = self.encoder(memory, PackedMask(keys, queries=src_packing, memory=src_packing))
+        if copies > 1:
+            # Repeating the packed memory packs the repeated batch: its real tokens come copy after copy.
+            memory = memory.repeat(copies, *[1] * (memory.dim() - 1))
+            src, tgt_in, keys = src.repeat(copies, 1), tgt_in.repeat(copies, 1), keys.repeat(copies, 1, 1, 1)
+            src_packing = packing_of(src, self.pad)
+        tgt_packing = packing_of(tgt_in, self.pad)
+        x = self.dropout(pack(tgt_packing, self.target_embeddings(tgt_in)))
+        src_mask = PackedMask(keys, queries=tgt_packing, memory=src_packing)
+        x = self.decoder(x, memory, src_mask, PackedMask(causal=True, queries=tgt_packing))
+        return unpack(tgt_packing, x)
+
+
+class PackedAttention(MultiHeadAttention):
+    """MultiHeadAttention whose inputs may come packed, as a PackedMask says: their projections run on
+    the real tokens and are laid out per sentence to attend; the output is packed like x."""
+
+    def forward(self, x, memory, mask: Mask, cache=None) -> torch.Tensor:
+        if not isinstance(mask, PackedMask):
+            return super().forward(x, memory, mask, cache)
+        if self.self_attention:
+            q, k, v = self.heads(unpack(mask.queries, self.qkv(x)), 3)
+        else:
+            (q,) = self.heads(unpack(mask.queries, self.q(x)), 1)
+            k, v = self.heads(unpack(mask.memory, self.kv(memory)), 2)
+        y = self.attend(q, k, v, mask).transpose(1, 2).flatten(2)
+        return self.out(pack(mask.queries, y))

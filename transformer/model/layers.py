@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from transformer.kernels.packing import Packing
-from transformer.kernels.select import Dropout, Linear
-from transformer.model.attention import MultiHeadAttention
+from transformer.model.attention import Mask, MultiHeadAttention
 
 Cache = dict[str, torch.Tensor]
 
@@ -19,7 +17,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm: str):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.pre = norm == "pre"
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
@@ -34,26 +32,32 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
         super().__init__()
-        self.w_1, self.w_2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.dropout = Dropout(dropout)
+        self.w_1, self.w_2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(self.dropout(torch.relu(self.w_1(x))))
 
 
 class EncoderLayer(nn.Module):
+    """Self-attention, then the feed-forward network, each a Residual sub-layer."""
+
     def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str, attn_dropout=0.0, ff_dropout=0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
         self.ff = FeedForward(d_model, d_ff, ff_dropout)
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
-        x = self.sublayers[0](x, lambda y: self.self_attn(y, mask=src_mask, packing=packing))
+    def forward(self, x: torch.Tensor, src_mask: Mask) -> torch.Tensor:
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, None, src_mask))
         return self.sublayers[1](x, self.ff)
 
 
 class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder's output (`memory`), then the feed-forward
+    network, each a Residual sub-layer. `cache`: its two attentions' caches when decoding one token
+    at a time."""
+
     def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm: str, attn_dropout=0.0, ff_dropout=0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, self_attention=True, dropout=attn_dropout)
@@ -62,25 +66,11 @@ class DecoderLayer(nn.Module):
         self.sublayers = nn.ModuleList(Residual(d_model, dropout, norm) for _ in range(3))
 
     def forward(
-        self,
-        x,
-        memory,
-        src_mask,
-        cache: tuple[Cache, Cache] | None = None,
-        packing: Packing | None = None,
-        memory_packing: Packing | None = None,
+        self, x, memory, src_mask: Mask, tgt_mask: Mask, cache: tuple[Cache, Cache] | None = None
     ) -> torch.Tensor:
-        # Right-padded targets need no padding mask here: a real query never sees a later
-        # (pad) key through the causal mask. When decoding one step at a time, nothing is later.
         self_cache, src_cache = cache if cache is not None else (None, None)
-        causal = cache is None
-        x = self.sublayers[0](x, lambda y: self.self_attn(y, causal=causal, cache=self_cache, packing=packing))
-        x = self.sublayers[1](
-            x,
-            lambda y: self.src_attn(
-                y, memory, mask=src_mask, cache=src_cache, packing=packing, memory_packing=memory_packing
-            ),
-        )
+        x = self.sublayers[0](x, lambda y: self.self_attn(y, None, tgt_mask, self_cache))
+        x = self.sublayers[1](x, lambda y: self.src_attn(y, memory, src_mask, src_cache))
         return self.sublayers[2](x, self.ff)
 
 
@@ -94,23 +84,17 @@ class Stack(nn.Module):
 
 
 class Encoder(Stack):
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, src_mask: Mask) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, src_mask, packing)
+            x = layer(x, src_mask)
         return self.norm(x)
 
 
 class Decoder(Stack):
     def forward(
-        self,
-        x,
-        memory,
-        src_mask,
-        caches: list[tuple[Cache, Cache]] | None = None,
-        packing: Packing | None = None,
-        memory_packing: Packing | None = None,
+        self, x, memory, src_mask: Mask, tgt_mask: Mask, caches: list[tuple[Cache, Cache]] | None = None
     ) -> torch.Tensor:
-        """`caches`: one (self-attention, source-attention) pair per layer when decoding step by step."""
+        """`caches`: one (self-attention, source-attention) pair per layer when decoding one token at a time."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, src_mask, None if caches is None else caches[i], packing, memory_packing)
+            x = layer(x, memory, src_mask, tgt_mask, None if caches is None else caches[i])
         return self.norm(x)

@@ -14,8 +14,7 @@ from torch import nn
 from transformer import checkpoints
 from transformer.config import ModelConfig, model_problems
 from transformer.io import DataError
-from transformer.kernels.packing import Packing
-from transformer.kernels.select import Dropout, Linear, packing_of
+from transformer.model.attention import Mask
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import Cache, Decoder, DecoderLayer, Encoder, EncoderLayer
 
@@ -50,6 +49,11 @@ def _rows(cache: Cache, index: torch.Tensor) -> Cache:
 
 
 class Transformer(nn.Module):
+    """The encoder-decoder of Figure 1: the encoder maps source tokens to states (the `memory`), the
+    decoder predicts each target token from the ones before it and the memory, and the generator
+    projects its states to next-token logits. forward gives the decoder's states for training;
+    start and step decode one token at a time."""
+
     # Keyword-only: the names are params.yaml's model keys (plus the vocabularies' sizes and pad id),
     # and a model file's model_config is exactly these keyword arguments.
     def __init__(
@@ -72,64 +76,57 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.pad, self.word_dropout = pad, word_dropout
-        drops = (dropout, norm, attn_dropout, ff_dropout)
-        self.encoder = Encoder([EncoderLayer(d_model, d_ff, h, *drops) for _ in range(N)], d_model, norm)
-        self.decoder = Decoder([DecoderLayer(d_model, d_ff, h, *drops) for _ in range(decoder_N or N)], d_model, norm)
+        layer = {"d_model": d_model, "d_ff": d_ff, "h": h, "dropout": dropout, "norm": norm}
+        layer |= {"attn_dropout": attn_dropout, "ff_dropout": ff_dropout}
+        self.encoder = Encoder([EncoderLayer(**layer) for _ in range(N)], d_model, norm)
+        self.decoder = Decoder([DecoderLayer(**layer) for _ in range(decoder_N or N)], d_model, norm)
         self.src_embed = Embeddings(src_vocab, d_model)
         self.tgt_embed = self.src_embed if tie_embeddings else Embeddings(tgt_vocab, d_model)
         self.position = PositionalEncoding(d_model)
-        self.dropout = Dropout(dropout)
-        self.generator = Linear(d_model, tgt_vocab, bias=False)  # pre-softmax projection (section 3.4)
+        self.dropout = nn.Dropout(dropout)  # on the sums of embeddings and positional encodings (section 5.4)
+        self.generator = nn.Linear(d_model, tgt_vocab, bias=False)  # the pre-softmax projection (section 3.4)
         if tie_embeddings:
             self.generator.weight = self.tgt_embed.lut.weight
 
-    def src_mask(self, src: torch.Tensor) -> torch.Tensor:
-        return (src != self.pad)[:, None, None, :]  # (B, 1, 1, S): True where a key may be attended
+    def src_mask(self, src: torch.Tensor) -> Mask:
+        """Attention over the source sees its tokens, never its padding: keys (B, 1, 1, S)."""
+        return Mask(keys=(src != self.pad)[:, None, None, :])
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
-        """Memory (B, S, d_model), or (n, d_model) with a packing of src. In training, word dropout
-        zeroes each source token's embedding with chance `word_dropout`, unscaled: its position is
-        still encoded, its identity is not."""
-        x = self.src_embed(src)  # (B, S, d_model)
+    def source_embeddings(self, src: torch.Tensor) -> torch.Tensor:
+        """The source's embeddings plus positional encodings (B, S, d_model), before dropout. In training,
+        word dropout zeroes each token's embedding with chance `word_dropout`, unscaled: its position
+        is still encoded, its identity is not."""
+        x = self.src_embed(src)
         if self.training and self.word_dropout:
             x = x * (torch.rand(src.shape, device=src.device) >= self.word_dropout).unsqueeze(-1).to(x.dtype)
-        x = self.position(x)
-        x = self.dropout(x if packing is None else packing.pack(x))
-        return self.encoder(x, src_mask, packing)
+        return self.position(x)
 
-    def decode(
-        self,
-        tgt: torch.Tensor,
-        memory: torch.Tensor,
-        src_mask: torch.Tensor,
-        caches: list | None = None,
-        start: int = 0,
-        packing: Packing | None = None,
-        memory_packing: Packing | None = None,
-    ) -> torch.Tensor:
-        """States (B, T, d_model), or (n, d_model) with a packing of tgt."""
-        x = self.position(self.tgt_embed(tgt), start)  # (B, T, d_model)
-        x = self.dropout(x if packing is None else packing.pack(x))
-        return self.decoder(x, memory, src_mask, caches, packing, memory_packing)
+    def target_embeddings(self, tgt: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The target's embeddings plus the positional encodings of positions start, start + 1, ..., before dropout."""
+        return self.position(self.tgt_embed(tgt), start)
+
+    def encode(self, src: torch.Tensor, src_mask: Mask) -> torch.Tensor:
+        """The memory (B, S, d_model)."""
+        return self.encoder(self.dropout(self.source_embeddings(src)), src_mask)
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: Mask, tgt_mask: Mask) -> torch.Tensor:
+        """The decoder's states (B, T, d_model) of the whole target at once, as training sees it."""
+        return self.decoder(self.dropout(self.target_embeddings(tgt)), memory, src_mask, tgt_mask)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, copies: int = 1) -> torch.Tensor:
-        """Decoder output states (B, T, d_model); the loss projects only non-pad positions.
+        """The decoder's states (B, T, d_model) of `tgt_in`, each from the target tokens before it.
 
-        A side that is mostly padding runs packed (select.packing_of): same result, less work.
         `copies` > 1 decodes the batch that many times over one encoding of src, copy after copy
         along the batch dimension, (copies * B, T, d_model): in training each copy draws its own
         decoder dropout and all share the encoder's."""
         src_mask = self.src_mask(src)
-        src_packing = packing_of(src, self.pad)
-        memory = self.encode(src, src_mask, src_packing)
+        memory = self.encode(src, src_mask)
         if copies > 1:
-            # Repeating the packed memory packs the repeated batch: its real tokens come copy after copy.
-            memory = memory.repeat(copies, *[1] * (memory.dim() - 1))
-            src, tgt_in, src_mask = src.repeat(copies, 1), tgt_in.repeat(copies, 1), src_mask.repeat(copies, 1, 1, 1)
-            src_packing = packing_of(src, self.pad)
-        tgt_packing = packing_of(tgt_in, self.pad)
-        x = self.decode(tgt_in, memory, src_mask, packing=tgt_packing, memory_packing=src_packing)
-        return x if tgt_packing is None else tgt_packing.unpack(x)
+            memory, tgt_in = memory.repeat(copies, 1, 1), tgt_in.repeat(copies, 1)
+            src_mask = Mask(keys=src_mask.keys.repeat(copies, 1, 1, 1))
+        # Right-padded targets need no padding mask: a real query never sees a later (pad) key
+        # through the causal mask, and the loss ignores the pad queries.
+        return self.decode(tgt_in, memory, src_mask, Mask(causal=True))
 
     def start(self, src: torch.Tensor, beam: int = 1) -> DecodeState:
         """Encodes src and projects source attention's keys and values once per sentence;
@@ -137,15 +134,17 @@ class Transformer(nn.Module):
         src_mask = self.src_mask(src)
         memory = self.encode(src, src_mask)
         sources = [dict(zip("kv", layer.src_attn.memory_heads(memory))) for layer in self.decoder.layers]
-        state = DecodeState(src_mask, [{} for _ in self.decoder.layers], sources)
+        state = DecodeState(src_mask.keys, [{} for _ in self.decoder.layers], sources)
         if beam == 1:
             return state
         return replace(state.select(torch.arange(len(src), device=src.device).repeat_interleave(beam)), beam=beam)
 
     def step(self, state: DecodeState, last: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of the next token (B, V), given the previous one (B,); updates `state`."""
+        """Log-probabilities of the next token (B, V), given the previous one (B,); updates `state`.
+        One token attends to every token before it, so its self-attention needs no mask."""
+        x = self.dropout(self.target_embeddings(last[:, None], state.step))
         caches = list(zip(state.targets, state.sources))
-        x = self.decode(last[:, None], None, state.src_mask, caches, start=state.step)
+        x = self.decoder(x, None, Mask(keys=state.src_mask), Mask(), caches)
         state.step += 1
         return torch.log_softmax(self.generator(x[:, -1]).float(), dim=-1)
 

@@ -1,15 +1,14 @@
-"""Label-smoothed cross-entropy (section 5.4), summed over non-pad target tokens; R-Drop's consistency term.
+"""The training loss: label-smoothed cross-entropy (section 5.4) summed over the non-pad target tokens,
+and R-Drop's consistency term between two dropout passes.
 
-Where the generator and the loss run fused, or R-Drop's gradient is written out, is decided in
-transformer/kernels/select.py, and computed in transformer/kernels/loss.py."""
+These are the definitions. On a CPU, transformer/kernels/accelerate.py swaps in FusedLoss
+(transformer/kernels/loss.py), which computes the same numbers with the generator and the loss fused."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from transformer.kernels import select
 
 
 def smoothed_cross_entropy(
@@ -29,75 +28,63 @@ def smoothed_cross_entropy(
     return loss.masked_fill(target == pad, 0.0).sum()
 
 
-def token_loss(
-    model: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, pad: int, smoothing: float, zero_pad: bool = False
-) -> torch.Tensor:
-    """The loss of the decoder's states `hidden` (B, T, d_model) summed over the non-pad positions of
-    `tgt_out`; with smoothing 0, the NLL."""
-    rows, target = select.loss_rows(hidden, tgt_out, pad)
-    if select.fuses_loss(model.generator, rows):
-        return select.fused_loss(model.generator, rows, target, pad=pad, smoothing=smoothing, zero_pad=zero_pad)
-    return smoothed_cross_entropy(model.generator(rows).float(), target, pad, smoothing, zero_pad)
+class Loss(nn.Module):
+    """The loss of the decoder's states, through the model's generator, against the target tokens.
+
+    A module, holding no weights, so that a faster twin can take its place (kernels/accelerate.py)."""
+
+    def __init__(self, pad: int, smoothing: float, zero_pad: bool = False):
+        super().__init__()
+        self.pad, self.smoothing, self.zero_pad = pad, smoothing, zero_pad
+
+    def forward(
+        self, generator: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, smoothing: float | None = None
+    ) -> torch.Tensor:
+        """The smoothed cross-entropy of the generator's logits of `hidden` (B, T, d_model) against
+        `tgt_out` (B, T), summed over its non-pad tokens; `smoothing` 0 gives the NLL (validation's)."""
+        smoothing = self.smoothing if smoothing is None else smoothing
+        logits = generator(hidden).flatten(0, -2).float()
+        return smoothed_cross_entropy(logits, tgt_out.flatten(), self.pad, smoothing, self.zero_pad)
+
+    def rdrop(self, generator: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, alpha: float) -> torch.Tensor:
+        """R-Drop (Liang et al. 2021), summed over the non-pad positions of `tgt_out` (B, T). `hidden`
+        holds two passes of the batch stacked along the batch dimension, (2B, T, d_model), each drawn
+        with its own dropout masks.
+
+        Per position: the mean of the two passes' smoothed cross-entropies, plus alpha / 4 times the
+        symmetric KL divergence between their next-token distributions P1 and P2,
+        KL(P1||P2) + KL(P2||P1) = <P1 - P2, log P1 - log P2>. That is the paper's objective (both
+        cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
+        scale of one pass and alpha means what the paper's does."""
+        logits = generator(hidden).float()  # (2B, T, V)
+        both = tgt_out.repeat(2, 1).flatten()
+        ce = smoothed_cross_entropy(logits.flatten(0, 1), both, self.pad, self.smoothing, self.zero_pad)
+        log_p1, log_p2 = logits.log_softmax(-1).chunk(2)
+        kl = ((log_p1.exp() - log_p2.exp()) * (log_p1 - log_p2)).sum(-1)  # (B, T)
+        return ce / 2 + alpha / 4 * kl.masked_fill(tgt_out == self.pad, 0.0).sum()
 
 
-def rdrop_loss(
-    model: nn.Module,
-    hidden: torch.Tensor,
-    tgt_out: torch.Tensor,
-    pad: int,
-    smoothing: float,
-    *,
-    alpha: float,
-    zero_pad: bool = False,
-) -> torch.Tensor:
-    """R-Drop (Liang et al. 2021), summed over the non-pad positions of `tgt_out`. `hidden` holds two
-    forward passes of the batch stacked along the batch dimension, each with its own dropout masks.
-
-    Per position: the mean of the two passes' smoothed cross-entropies, plus alpha / 4 times the
-    symmetric KL divergence between their next-token distributions P1 and P2,
-    KL(P1||P2) + KL(P2||P1) = <P1 - P2, log P1 - log P2>. That is the paper's objective (both
-    cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the scale
-    of one pass and alpha means what the paper's does."""
-    rows, target = select.loss_rows(hidden, tgt_out.repeat(2, 1), pad)  # the first pass's rows, then the second's
-    terms = dict(pad=pad, smoothing=smoothing, zero_pad=zero_pad, alpha=alpha)
-    if select.fuses_loss(model.generator, rows):
-        return select.fused_loss(model.generator, rows, target, **terms)
-    return select.rdrop_of_logits(model.generator(rows), target, **terms)  # one projection of both passes
-
-
-def batch_loss(
-    forward,
-    model: nn.Module,
-    batch,
-    pad: int,
-    smoothing: float,
-    *,
-    rdrop: float = 0.0,
-    zero_pad: bool = False,
-    shared_encoder: bool = False,
-    share: float = 1.0,
-) -> torch.Tensor:
-    """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its
-    DDP wrapper) on the batch, then `model`'s generator. With rdrop > 0, R-Drop's, from two passes
-    of the batch in one forward (each row draws its own dropout); with `shared_encoder`, the two
-    passes decode one encoding of the source and differ in the decoder's dropout alone; with
+def batch_loss(forward, generator: nn.Module, batch, loss: Loss, *, rdrop=0.0, shared_encoder=False, share=1.0):
+    """A micro-batch's training loss, summed over its target tokens: `forward` (the model, or its DDP
+    wrapper) on the batch, then `loss` of the generator's logits. With rdrop > 0, R-Drop's, from two
+    passes of the batch in one forward (each row draws its own dropout); with `shared_encoder`, the
+    two passes decode one encoding of the source and differ in the decoder's dropout alone; with
     `share` < 1, only that share of the sentences, drawn afresh each time, takes a second pass."""
-    terms = dict(pad=pad, smoothing=smoothing, zero_pad=zero_pad)
     if not rdrop:
-        return token_loss(model, forward(batch.src, batch.tgt_in), batch.tgt_out, **terms)
+        return loss(generator, forward(batch.src, batch.tgt_in), batch.tgt_out)
     if share < 1.0:
-        return _partial_rdrop_loss(forward, model, batch, share, alpha=rdrop, **terms)
+        return _partial_rdrop_loss(forward, generator, batch, loss, share=share, alpha=rdrop)
     if shared_encoder:
         hidden = forward(batch.src, batch.tgt_in, copies=2)
     else:
         hidden = forward(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))
-    return rdrop_loss(model, hidden, batch.tgt_out, alpha=rdrop, **terms)
+    return loss.rdrop(generator, hidden, batch.tgt_out, rdrop)
 
 
-def _partial_rdrop_loss(forward, model: nn.Module, batch, share: float, alpha: float, **terms) -> torch.Tensor:
+def _partial_rdrop_loss(forward, generator, batch, loss: Loss, *, share: float, alpha: float) -> torch.Tensor:
     """R-Drop on round(share * B) of the batch's B sentences, drawn from torch's generator (so a
     resumed run draws the same), and the plain loss on the others: each sentence keeps one pass's
-    weight, and the work is 1 + share passes instead of 2. `terms`: token_loss's pad, smoothing, zero_pad."""
+    weight, and the work is 1 + share passes instead of 2."""
     n = batch.src.size(0)
     # Index lists, not a boolean mask: a mask sizes its result by a count the host would wait for.
     order, k = torch.randperm(n), max(1, round(share * n))
@@ -106,5 +93,6 @@ def _partial_rdrop_loss(forward, model: nn.Module, batch, share: float, alpha: f
         torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]])
     )  # (B + k, T, d)
     pairs = torch.cat([hidden[twice], hidden[n:]])  # the drawn sentences' first passes, then their second
-    loss = rdrop_loss(model, pairs, batch.tgt_out[twice], alpha=alpha, **terms)
-    return loss + token_loss(model, hidden[:n][once], batch.tgt_out[once], **terms)
+    return loss.rdrop(generator, pairs, batch.tgt_out[twice], alpha) + loss(
+        generator, hidden[:n][once], batch.tgt_out[once]
+    )

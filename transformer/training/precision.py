@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from transformer.kernels.select import attention_kernels
+from transformer.kernels.accelerate import attention_backends
 from transformer.training.distributed import set_precision
 
 
@@ -29,11 +29,10 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
 
     def autocast(self) -> contextlib.ExitStack:
-        """Autocast to the run's half dtype where it has one, with the attention kernels that suit it
-        (the written-out attention is bf16's alone)."""
+        """Autocast to the run's half dtype where it has one, with the attention kernels that suit the device."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None))
-        stack.enter_context(attention_kernels(self.device, self.dtype == torch.bfloat16))
+        stack.enter_context(attention_backends(self.device))
         return stack
 
     def backward(self, loss: torch.Tensor) -> None:

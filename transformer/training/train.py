@@ -33,10 +33,11 @@ from transformer.data.batching import (
 from transformer.data.vocab import PAD, load_vocabs, vocab_from_state
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file
+from transformer.kernels.accelerate import accelerate
 from transformer.kernels.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
 from transformer.model.model import make_model
 from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
-from transformer.training.loss import batch_loss
+from transformer.training.loss import Loss, batch_loss
 from transformer.training.precision import Precision
 from transformer.training.record import Clock, RunRecord, Stepped, bleus, progress_bar, say
 from transformer.training.resume import Progress, patience_spent, resume
@@ -243,27 +244,19 @@ def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
 
 
 class StepLoss(nn.Module):
-    """A micro-batch's training loss (loss.batch_loss) as one module around the model, so that DDP
-    wraps, and torch.compile traces, the model, its generator and the loss together."""
+    """A micro-batch's training loss (loss.batch_loss) as one module around the model and the loss, so
+    that DDP wraps, torch.compile traces and accelerate swaps them together."""
 
-    def __init__(self, model: nn.Module, smoothing: float, zero_pad=False, shared_encoder=False, share=1.0):
+    def __init__(self, model: nn.Module, loss: Loss, shared_encoder: bool = False, share: float = 1.0):
         super().__init__()
-        self.model, self.smoothing, self.zero_pad = model, smoothing, zero_pad
+        self.model, self.loss = model, loss
         self.shared_encoder, self.share = shared_encoder, share
 
     def forward(self, batch: Batch, rdrop: float = 0.0) -> torch.Tensor:
         """The loss summed over the batch's target tokens; R-Drop's with rdrop > 0."""
         m = self.model
         return batch_loss(
-            m,
-            m,
-            batch,
-            PAD,
-            self.smoothing,
-            rdrop=rdrop,
-            zero_pad=self.zero_pad,
-            shared_encoder=self.shared_encoder,
-            share=self.share,
+            m, m.generator, batch, self.loss, rdrop=rdrop, shared_encoder=self.shared_encoder, share=self.share
         )
 
 
@@ -283,12 +276,15 @@ class Trainer:
         self.model, self.optimizer, self.split = setup.model, setup.optimizer, setup.split
         self.progress, self.record = progress, record
         p = self.p
-        step = StepLoss(self.model, p.label_smoothing, p.smoothing_zeroes_pad, p.rdrop_shared_encoder, p.rdrop_share)
+        loss = Loss(PAD, p.label_smoothing, p.smoothing_zeroes_pad)
+        step = StepLoss(self.model, loss, p.rdrop_shared_encoder, p.rdrop_share)
+        if not p.compile:  # compiled, the plain step is traced and fused by torch instead
+            accelerate(step, self.env.device)
         ddp = wrap_ddp(step, p.ddp_bf16_grads) if self.env.world > 1 else step
         self.step_model = compiled(ddp) if p.compile else ddp
         self.corpus = setup.split.fixed  # the current epoch's pairs
         self.precision = setup.precision
-        self.validation = Validation(self.model, setup.valid, self.params, self.env, self.precision.autocast)
+        self.validation = Validation(self.model, loss, setup.valid, self.params, self.env, self.precision.autocast)
         self.planned_updates = 0  # set once the first epoch's batches are known
         self.stopped, self.validated_at = False, -1
 

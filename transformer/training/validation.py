@@ -14,11 +14,11 @@ from torch import nn
 
 from transformer.config import Params
 from transformer.data.batching import ParallelCorpus, token_batches
-from transformer.data.vocab import EOS, PAD, Vocab
+from transformer.data.vocab import EOS, Vocab
 from transformer.decoding.translate import search_batches, to_text
 from transformer.evaluation.score import score_lines
 from transformer.training.distributed import Dist
-from transformer.training.loss import token_loss
+from transformer.training.loss import Loss
 from transformer.training.resume import patience_spent
 
 
@@ -38,6 +38,7 @@ class Validation:
     rank 0's early-stopping verdict."""
 
     model: nn.Module
+    loss: Loss  # the training's, which gives the NLL with no smoothing
     data: ValidationData
     params: Params
     env: Dist
@@ -60,7 +61,7 @@ class Validation:
         for index in validation_batches(v.src_lens, v.tgt_lens, self.params.train.max_tokens):
             batch = v.batch(index).to(self.env.device)
             with self.autocast():
-                batch_nll = token_loss(self.model, self.model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.0)
+                batch_nll = self.loss(self.model.generator, self.model(batch.src, batch.tgt_in), batch.tgt_out, 0.0)
             nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
         return nll / tokens, math.exp(min(nll / tokens, 50))
 

@@ -27,12 +27,15 @@ class CpuAttention(PackedAttention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         if q.dtype != torch.bfloat16 or self.keep_weights:
             return super().attend(q, k, v, mask)
-        scores = q @ k.transpose(-2, -1)  # (B, h, T, S), a tensor of its own: scaled and masked in place
-        scores.mul_(1 / math.sqrt(self.d_k))
-        allowed = mask.dense(scores.size(-2), scores.size(-1), scores.device)
-        if allowed is not None:
-            scores.masked_fill_(~allowed, float("-inf"))
-        weights = float32_softmax(scores)
-        if self.training and self.dropout:
-            weights = masks.dropout(weights, self.dropout)
-        return weights @ v
+        return written_out(q, k, v, mask, self.dropout if self.training else 0.0)
+
+
+def written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, dropout: float) -> torch.Tensor:
+    """Equation 1 of q, k, v (B, h, T, d_k), as CpuAttention computes it, (B, h, T, d_k)."""
+    scores = q @ k.transpose(-2, -1)  # (B, h, T, S), a tensor of its own: scaled and masked in place
+    scores.mul_(1 / math.sqrt(q.size(-1)))
+    allowed = mask.dense(scores.size(-2), scores.size(-1), scores.device)
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    weights = float32_softmax(scores)
+    return (masks.dropout(weights, dropout) if dropout else weights) @ v

@@ -11,10 +11,6 @@ import torch
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.model import Transformer
 
-# Pack a batch side whose real tokens fill less than this share of its positions: below it packing
-# gains, above it gathering the tokens costs more than the padding it skips.
-PACK_BELOW = 0.8
-
 
 def counts_on_host(t: torch.Tensor) -> bool:
     """Whether the host may read a count of t's values (how many are real tokens) for free: on a CPU
@@ -48,13 +44,13 @@ class Packing:
         )
 
 
-def packing_of(tokens: torch.Tensor, pad: int) -> Packing | None:
-    """The packing of `tokens` (B, T), or None where it does not pay: a side that is mostly real
-    tokens, or where counting them does not come free (counts_on_host)."""
+def packing_of(tokens: torch.Tensor, pad: int, below: float) -> Packing | None:
+    """The packing of `tokens` (B, T), or None where it does not pay: a side whose real tokens fill
+    at least `below` of its positions, or where counting them does not come free (counts_on_host)."""
     if not counts_on_host(tokens):
         return None
     real = (tokens != pad).flatten()
-    if int(real.sum()) >= PACK_BELOW * real.numel():
+    if int(real.sum()) >= below * real.numel():
         return None
     return Packing(real.nonzero().squeeze(1), *tokens.shape)
 
@@ -80,16 +76,20 @@ class PackedTransformer(Transformer):
     """Transformer whose forward runs each mostly padded batch side packed (packing_of). Only forward:
     decoding one token at a time has no padding on its target side to skip."""
 
+    # Pack a batch side whose real tokens fill less than this share of its positions: below it packing
+    # gains, above it gathering the tokens costs more than the padding it skips.
+    pack_below = 0.8
+
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, copies: int = 1) -> torch.Tensor:
-        keys, src_packing = self.src_mask(src).keys, packing_of(src, self.pad)
+        keys, src_packing = self.src_mask(src).keys, packing_of(src, self.pad, self.pack_below)
         memory = self.dropout(pack(src_packing, self.source_embeddings(src)))
         memory = self.encoder(memory, PackedMask(keys, queries=src_packing, memory=src_packing))
         if copies > 1:
             # Repeating the packed memory packs the repeated batch: its real tokens come copy after copy.
             memory = memory.repeat(copies, *[1] * (memory.dim() - 1))
             src, tgt_in, keys = src.repeat(copies, 1), tgt_in.repeat(copies, 1), keys.repeat(copies, 1, 1, 1)
-            src_packing = packing_of(src, self.pad)
-        tgt_packing = packing_of(tgt_in, self.pad)
+            src_packing = packing_of(src, self.pad, self.pack_below)
+        tgt_packing = packing_of(tgt_in, self.pad, self.pack_below)
         x = self.dropout(pack(tgt_packing, self.target_embeddings(tgt_in)))
         src_mask = PackedMask(keys, queries=tgt_packing, memory=src_packing)
         x = self.decoder(x, memory, src_mask, PackedMask(causal=True, queries=tgt_packing))

@@ -1,10 +1,11 @@
-"""The model's dropout (select.dropout): on a CPU, transformer.kernels.dropout's masks from the Mersenne
-Twister's draws, the same on every CPU."""
+"""The model's dropout on a CPU (MaskDropout, the twin of nn.Dropout that accelerate swaps in):
+transformer.kernels.dropout's masks from the Mersenne Twister's draws, the same on every CPU."""
 
 import pytest
 import torch
 
-from transformer.kernels.select import Dropout, dropout
+from transformer.kernels.accelerate import accelerate
+from transformer.kernels.dropout import MaskDropout, dropout
 
 
 def test_the_masks_are_the_twisters_draws_so_every_cpu_drops_the_same_values():
@@ -51,10 +52,11 @@ def test_bf16_values_are_scaled_then_rounded_once():
 
 
 def test_in_eval_mode_or_at_p_0_the_input_passes_through_and_no_draw_is_made():
-    layer = Dropout(0.1).eval()
+    layer = accelerate(torch.nn.Dropout(0.1), torch.device("cpu")).eval()
+    assert type(layer) is MaskDropout
     x = torch.randn(3, 4)
     torch.manual_seed(5)
-    assert layer(x) is x and dropout(x, 0.0) is x
+    assert layer(x) is x and MaskDropout(0.0).train()(x) is x
     after = torch.rand(2)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(2), after)

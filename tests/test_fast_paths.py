@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +9,13 @@ from conftest import tiny_model, tiny_params, train_outputs
 
 from transformer.config import params_from_dict
 from transformer.decoding.search import beam_search, greedy
-from transformer.kernels import select
-from transformer.kernels.select import attention_kernels
+from transformer.kernels import loss as kernel_loss
+from transformer.kernels.accelerate import accelerate, attention_backends
+from transformer.kernels.attention import CpuAttention, written_out
 from transformer.kernels.softmax import float32_softmax
-from transformer.model.attention import MultiHeadAttention
-from transformer.training import precision as precision_module
+from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.training import train as train_module
-from transformer.training.loss import token_loss
+from transformer.training.loss import Loss
 
 
 def _model(N: int = 2):
@@ -48,22 +46,21 @@ def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "whole"])
-def test_generator_projects_only_non_pad_positions(monkeypatch, fuse):
-    if not fuse:
-        monkeypatch.setattr(select, "fuses_loss", lambda generator, rows: False)
-    model = _model()
+def test_generator_projects_only_non_pad_positions_on_a_cpu(monkeypatch, fuse):
+    """The CPU's loss (FusedLoss) projects the non-pad positions alone; the plain loss projects every
+    position, as an accelerator does, where selecting them would make the host wait."""
+    model, loss = _model(), Loss(pad=2, smoothing=0.1)
+    if fuse:
+        loss = accelerate(loss, torch.device("cpu"))
     rows = []
-    model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
-    fused = select.fused_loss  # the fused loss reads the generator's weight, not its forward
-
-    def counted(generator, hidden, *args, **kwargs):
-        rows.append(hidden.shape[0])
-        return fused(generator, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(select, "fused_loss", counted)
+    model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[:-1].numel()))
+    fused = kernel_loss.fused_loss  # the fused loss reads the generator's weight, not its forward
+    monkeypatch.setattr(
+        kernel_loss, "fused_loss", lambda g, hidden, *a: rows.append(hidden.shape[0]) or fused(g, hidden, *a)
+    )
     tgt_out = torch.tensor([[5, 6, 1, 2, 2], [7, 1, 2, 2, 2], [5, 6, 7, 8, 1]])
-    token_loss(model, model(_src(), tgt_out), tgt_out, pad=2, smoothing=0.1)
-    assert rows == [int((tgt_out != 2).sum())]
+    loss(model.generator, model(_src(), tgt_out), tgt_out)
+    assert rows == [int((tgt_out != 2).sum()) if fuse else tgt_out.numel()]
 
 
 def test_training_batches_by_token_count(monkeypatch, vocab_dir, tmp_path):
@@ -91,28 +88,34 @@ def test_decoding_feeds_one_token_per_step_to_the_cached_decoder():
         assert lengths and set(lengths) == {1}, "the decoder re-read the prefix instead of its cache"
 
 
-@pytest.mark.parametrize(("precision", "written_out"), [("bf16", True), ("fp16", False)])
-def test_cpu_training_attends_written_out_in_bf16_alone(monkeypatch, vocab_dir, tmp_path, precision, written_out):
-    seen = []
-    original = precision_module.attention_kernels
-    monkeypatch.setattr(
-        precision_module,
-        "attention_kernels",
-        lambda device, bf16: seen.append((device.type, bf16)) or original(device, bf16),
-    )
-    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 2, "train.precision": precision}))
-    train_module.train(params, vocab_dir, train_outputs(tmp_path))
-    assert seen and set(seen) == {("cpu", written_out)}
+@pytest.mark.parametrize(
+    ("dtype", "sdpa_calls"), [(torch.bfloat16, 0), (torch.float16, 3 * 2), (torch.float32, 3 * 2)], ids=str
+)
+def test_the_cpus_attention_is_written_out_in_bf16_alone(monkeypatch, dtype, sdpa_calls):
+    """Accelerated for a CPU, bf16 attention is written out (CpuAttention); fp16 and fp32 attention,
+    and the plain model's in any dtype, go through torch's kernel, per attention of each layer."""
     calls = _sdpa_calls(monkeypatch)
-    model = _model(N=2).train()
-    for bf16, expected in ((True, 0), (False, 3 * 2)):  # fp32: torch's own choice (flash), per attention
+    for model, expected in (
+        (_model(N=2).train(), 3 * 2),
+        (accelerate(_model(N=2), torch.device("cpu")).train(), sdpa_calls),
+    ):
         calls.clear()
-        with attention_kernels(torch.device("cpu"), bf16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             model(_src(), torch.randint(4, 20, (3, 5)))
         assert len(calls) == expected
-    calls.clear()
-    model(_src(), torch.randint(4, 20, (3, 5)))
-    assert len(calls) == 3 * 2  # outside training's kernels, as ever
+
+
+@pytest.mark.parametrize(("compile", "twins"), [(False, True), (True, False)], ids=["eager", "compiled"])
+def test_training_takes_the_cpus_twins_unless_it_compiles(monkeypatch, vocab_dir, tmp_path, compile, twins):
+    made = []
+    original = train_module.compiled
+    monkeypatch.setattr(train_module, "compiled", lambda step: made.append(step) or original(step, backend="eager"))
+    original_step = train_module.StepLoss
+    monkeypatch.setattr(train_module, "StepLoss", lambda *a, **k: made.append(original_step(*a, **k)) or made[-1])
+    params = params_from_dict(tiny_params(**{"train.epochs": 1, "train.max_steps": 1, "train.compile": compile}))
+    train_module.train(params, vocab_dir, train_outputs(tmp_path))
+    attention = made[0].model.encoder.layers[0].self_attn
+    assert (type(attention) is CpuAttention) == twins and isinstance(attention, MultiHeadAttention)
 
 
 def _attention_inputs(causal: bool, dtype=torch.float32):
@@ -123,17 +126,16 @@ def _attention_inputs(causal: bool, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["padding mask", "causal"])
-def test_written_out_attention_gives_what_torchs_kernel_gives(monkeypatch, causal):
-    attention = MultiHeadAttention(16, 2, self_attention=True).train()
+def test_written_out_attention_gives_what_torchs_kernel_gives(causal):
     q, k, v, mask = _attention_inputs(causal)
     out = {}
-    for written_out in (False, True):
-        if written_out:  # not through torch's kernel
-            monkeypatch.setattr(F, "scaled_dot_product_attention", None)
-        with attention_kernels(torch.device("cpu"), True) if written_out else contextlib.nullcontext():
-            y = attention._attend(q, k, v, mask, causal)
+    for written in (False, True):
+        if written:
+            y = written_out(q, k, v, Mask(keys=mask, causal=causal), 0.0)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), (q, k, v))
-        out[written_out] = y, *grads
+        out[written] = y, *grads
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -143,11 +145,10 @@ def test_cpu_bf16_attention_runs_in_bf16_with_no_pass_of_torchs_kernel():
     extra passes (its mask made additive, its softmax made safe for rows that attend to nothing); its
     forward scales and masks the scores in place, with no tensor of their own. Only the softmax's
     weights and the scores' gradient are copied back from float32 (float32_softmax)."""
-    attention = MultiHeadAttention(16, 2, self_attention=True).train()
     q, k, v, mask = _attention_inputs(False, torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), attention_kernels(torch.device("cpu"), True):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.profiler.profile(record_shapes=True) as forward:
-            y = attention._attend(q, k, v, mask, False)
+            y = written_out(q, k, v, Mask(keys=mask), 0.0)
         with torch.profiler.profile(record_shapes=True) as prof:
             y.sum().backward()
     ops = {e.name for e in forward.events()}
@@ -187,12 +188,11 @@ def test_the_softmax_of_bf16_scores_is_float32s_forward_and_back(length):
         assert (got == expected.bfloat16()).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_cuda_training_attends_without_cudnn(bf16):
+def test_cuda_training_attends_without_cudnn():
     """cuDNN's attention plans every new shape anew; training's token batches keep changing shape."""
     b = torch.backends.cuda
     assert b.cudnn_sdp_enabled()  # torch's default, which the kernels below turn off for their extent
-    with attention_kernels(torch.device("cuda"), bf16):
+    with attention_backends(torch.device("cuda")):
         assert not b.cudnn_sdp_enabled()
         assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()
     assert b.cudnn_sdp_enabled()

@@ -98,9 +98,9 @@ import sys
 import torch
 import torch.nn.functional as F
 from transformer.kernels.memory import training_memory
-from transformer.kernels.select import Linear
+from transformer.kernels.linear import PaddedLinear
 training_memory()
-layer = Linear(64, 32)
+layer = PaddedLinear(64, 32)
 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
     for rows in range(2000, 2100):
         x = torch.randn(rows, 64)

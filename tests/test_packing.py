@@ -8,15 +8,25 @@ from conftest import tiny_model
 from torch.profiler import ProfilerActivity, profile
 
 from transformer.data.vocab import PAD
-from transformer.kernels import packing, select
+from transformer.kernels import linear
+from transformer.kernels.accelerate import accelerate
+from transformer.kernels.linear import PaddedLinear
+from transformer.kernels.packing import PackedTransformer, packing_of
 
 V = 20
-NEVER, ALWAYS = 0.0, 2.0  # PACK_BELOW values
+BELOW = PackedTransformer.pack_below
 
 
 def _model(norm: str = "pre", dropout: float = 0.0):
+    """The plain model; _packed(model) makes it the CPU's."""
     torch.manual_seed(0)
     return tiny_model(src_vocab=V, tgt_vocab=V, N=2, dropout=dropout, norm=norm, tie_embeddings=True)
+
+
+def _packed(model, below: float = BELOW):
+    model = accelerate(model, torch.device("cpu"))
+    model.pack_below = below
+    return model
 
 
 def _padded(lengths: list[int], seed: int) -> torch.Tensor:
@@ -28,8 +38,7 @@ def _padded(lengths: list[int], seed: int) -> torch.Tensor:
 SRC, TGT = _padded([9, 3, 5, 1, 7], 1), _padded([7, 2, 4, 1, 6], 2)  # 56% and 57% real
 
 
-def _outputs_and_gradients(model, threshold: float, monkeypatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    monkeypatch.setattr(select, "PACK_BELOW", threshold)
+def _outputs_and_gradients(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     real = model(SRC, TGT)[TGT != PAD]
     (real**2).sum().backward()
@@ -37,10 +46,10 @@ def _outputs_and_gradients(model, threshold: float, monkeypatch) -> tuple[torch.
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
-def test_packed_outputs_and_gradients_equal_the_padded_ones(monkeypatch, norm):
+def test_packed_outputs_and_gradients_equal_the_padded_ones(norm):
     model = _model(norm).train()
-    padded, padded_grads = _outputs_and_gradients(model, NEVER, monkeypatch)
-    packed, packed_grads = _outputs_and_gradients(model, ALWAYS, monkeypatch)
+    padded, padded_grads = _outputs_and_gradients(model)
+    packed, packed_grads = _outputs_and_gradients(_packed(model, below=2.0))  # every side packed
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -56,7 +65,7 @@ def _feed_forward_rows(model) -> list[int]:
 
 
 def test_a_mostly_padded_batch_runs_its_token_wise_layers_on_real_tokens_only():
-    model = _model()
+    model = _packed(_model())
     rows = _feed_forward_rows(model)
     out = model(SRC, TGT)
     assert rows == [int((SRC != PAD).sum()), int((TGT != PAD).sum())]
@@ -66,8 +75,8 @@ def test_a_mostly_padded_batch_runs_its_token_wise_layers_on_real_tokens_only():
 
 def test_a_mostly_real_batch_stays_padded():
     full, one_pad = _padded([6, 6, 6, 6], 3), _padded([6, 6, 6, 5], 4)  # 100% and 96% real
-    assert select.packing_of(full, PAD) is None and select.packing_of(one_pad, PAD) is None
-    model = _model()
+    assert packing_of(full, PAD, BELOW) is None and packing_of(one_pad, PAD, BELOW) is None
+    model = _packed(_model())
     rows = _feed_forward_rows(model)
     model(one_pad, full)
     assert rows == [one_pad.numel(), full.numel()]
@@ -75,7 +84,7 @@ def test_a_mostly_real_batch_stays_padded():
 
 def test_unpack_restores_the_real_tokens_and_zeroes_the_padding():
     x = torch.randn(*SRC.shape, 3)
-    p = select.packing_of(SRC, PAD)
+    p = packing_of(SRC, PAD, BELOW)
     assert p is not None and p.pack(x).shape == (int((SRC != PAD).sum()), 3)
     back = p.unpack(p.pack(x))
     real = (SRC != PAD)[..., None]
@@ -83,17 +92,17 @@ def test_unpack_restores_the_real_tokens_and_zeroes_the_padding():
 
 
 def test_row_buckets_are_eight_an_octave_at_most_an_eighth_above():
-    buckets = {rows: packing.row_bucket(rows) for rows in range(1, 20_000)}
+    buckets = {rows: linear.row_bucket(rows) for rows in range(1, 20_000)}
     for rows, size in buckets.items():
         assert rows <= size <= rows + max(7, rows // 8) and size % 8 == 0, rows
-        assert packing.row_bucket(size) == size, rows  # a bucket's rows stay as they are
+        assert linear.row_bucket(size) == size, rows  # a bucket's rows stay as they are
     assert len({buckets[rows] for rows in range(2049, 4097)}) == 8  # 2,304 to 4,096
 
 
 def _linear_rows_and_result(x: torch.Tensor, bf16: bool) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
     """The rows of the matmuls a Linear(16, 24) ran on x (forward and backward), its output and gradients."""
     torch.manual_seed(0)
-    layer = select.Linear(16, 24)
+    layer = PaddedLinear(16, 24)
     x = x.clone().requires_grad_()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -123,7 +132,7 @@ def test_a_linear_in_bf16_on_a_cpu_runs_on_bucketed_rows_and_gives_the_unpadded_
 def test_a_bucketed_linear_copies_its_rows_once_each_way_and_zeroes_only_the_padding():
     """In bf16 on a CPU: x into the padded buffer (cast on the way), the output's gradient into one
     alike, the input's gradient out (cast back), and nothing zeroed but the padding rows."""
-    layer = select.Linear(16, 24)
+    layer = PaddedLinear(16, 24)
     x = torch.randn(3, 37, 16, requires_grad=True)  # 111 rows: bucket 112
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -38,7 +38,7 @@ class Validation:
     rank 0's early-stopping verdict."""
 
     model: nn.Module
-    loss: Loss  # the training's, which gives the NLL with no smoothing
+    criterion: Loss  # the training's loss, which gives the NLL with no smoothing
     data: ValidationData
     params: Params
     env: Dist
@@ -61,7 +61,9 @@ class Validation:
         for index in validation_batches(v.src_lens, v.tgt_lens, self.params.train.max_tokens):
             batch = v.batch(index).to(self.env.device)
             with self.autocast():
-                batch_nll = self.loss(self.model.generator, self.model(batch.src, batch.tgt_in), batch.tgt_out, 0.0)
+                batch_nll = self.criterion(
+                    self.model.generator, self.model(batch.src, batch.tgt_in), batch.tgt_out, 0.0
+                )
             nll, tokens = nll + float(batch_nll), tokens + batch.ntokens
         return nll / tokens, math.exp(min(nll / tokens, 50))
 

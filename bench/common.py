@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from transformer.config import load_params
 from transformer.data.batching import Batch, ParallelCorpus, token_batches
 from transformer.data.vocab import PAD, load_vocabs
-from transformer.kernels.select import attention_kernels
+from transformer.kernels.accelerate import accelerate, attention_backends
+from transformer.kernels.attention import CpuAttention
+from transformer.kernels.packing import PackedAttention
 from transformer.model.model import Transformer, make_model
+from transformer.training.loss import Loss
 from transformer.training.train import StepLoss, compiled, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,9 +212,16 @@ def ours_step(
     optimizer = make_optimizer(model, PARAMS.train.weight_decay, device)
     for group in optimizer.param_groups:
         group["lr"] = LEARNING_RATE
-    loss_of = StepLoss(model, PARAMS.train.label_smoothing, shared_encoder=shared_encoder, share=share)
-    loss_of = compiled(loss_of, COMPILE_BACKEND) if compile else loss_of
-    kernels = (lambda: contextlib.nullcontext()) if default_kernel else (lambda: attention_kernels(device, bf16))
+    loss_of = StepLoss(model, Loss(PAD, PARAMS.train.label_smoothing), shared_encoder=shared_encoder, share=share)
+    if compile:  # as training: the plain step, traced
+        loss_of = compiled(loss_of, COMPILE_BACKEND)
+    else:
+        accelerate(loss_of, device)
+    if default_kernel:  # the device's twins, but attention in torch's kernel
+        for part in model.modules():
+            if type(part) is CpuAttention:
+                part.__class__ = PackedAttention
+    kernels = contextlib.nullcontext if default_kernel else lambda: attention_backends(device)
 
     def step(batch: Batch) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), kernels():

@@ -4,7 +4,7 @@
 
 Builds the model of params.yaml's size and times bench/common.py's R-Drop update of it in bf16 (fused
 Adam, as training does) over the first token batches of build_vocab's training ids, each batch a new shape:
-first with the kernels training picks (transformer.model.attention.attention_kernels), then with
+first with the kernels training picks (transformer.kernels.accelerate.attention_backends), then with
 torch's own choice, then with each backend forced (a refused one says why). The first --warmup
 batches of each row are not timed. The profile of a few updates under torch's choice names the
 attention kernels it ran. Before the rows, one untimed pass over every batch with training's
@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from bench import common
-from transformer.kernels.select import attention_kernels
+from transformer.kernels.accelerate import attention_backends
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -90,9 +90,9 @@ def main(vocab_dir: Path, batches: int, warmup: int) -> None:
         f"{t.max_tokens}-token batches, {len(batches_on_device) - warmup} timed"
     )
     print("attention kernels under torch's choice:", *ran[:8], sep="\n  ")
-    with attention_kernels(device, True):
+    with attention_backends(device):
         run(batches_on_device)
-    rows = [("training's choice", lambda: attention_kernels(device, True)), ("torch's choice", contextlib.nullcontext)]
+    rows = [("training's choice", lambda: attention_backends(device)), ("torch's choice", contextlib.nullcontext)]
     rows += [(name, lambda b=backend: sdpa_kernel(b)) for name, backend in BACKENDS.items()]
     for name, kernels in rows:
         try:

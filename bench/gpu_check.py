@@ -63,13 +63,13 @@ from transformer.config import params_from_dict
 from transformer.data.batching import Batch, ParallelCorpus, token_batches
 from transformer.data.vocab import PAD
 from transformer.io import write_json
-from transformer.kernels import select
+from transformer.kernels.accelerate import accelerate, attention_backends
+from transformer.kernels.loss import LossSpec, fused_loss
 from transformer.kernels.memory import peak_rss_mb
-from transformer.kernels.select import attention_kernels
 from transformer.model.model import make_model
 from transformer.presets import recipe
 from transformer.training.distributed import set_precision
-from transformer.training.loss import smoothed_cross_entropy, token_loss
+from transformer.training.loss import Loss, smoothed_cross_entropy
 from transformer.training.train import StepLoss, make_optimizer
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
@@ -162,8 +162,12 @@ def update_step(params: Any, vocab: int, device: torch.device, compiled: bool, b
     traces StepLoss); returns bf16's use too."""
     model, t = model_of(params, vocab, device), params.train
     optimizer = make_optimizer(model, t.weight_decay, device)
-    step_loss = StepLoss(model, t.label_smoothing, t.smoothing_zeroes_pad)
-    whole = transformer.training.train.compiled(step_loss, backend) if compiled else None
+    step_loss = StepLoss(model, Loss(PAD, t.label_smoothing, t.smoothing_zeroes_pad))
+    if compiled:  # as training: the plain step, traced
+        whole = transformer.training.train.compiled(step_loss, backend)
+    else:
+        whole = None
+        accelerate(step_loss, device)
     bf16 = set_precision(t.precision, device) == torch.bfloat16  # fp16 is not timed here
 
     def micro_loss(batch: Batch, tokens: int) -> torch.Tensor:
@@ -173,12 +177,12 @@ def update_step(params: Any, vocab: int, device: torch.device, compiled: bool, b
         with phase("forward"):  # StepLoss's own two steps, apart
             hidden = model(batch.src, batch.tgt_in)
         with phase("loss"):
-            return token_loss(model, hidden, batch.tgt_out, PAD, t.label_smoothing, t.smoothing_zeroes_pad) / tokens
+            return step_loss.loss(model.generator, hidden, batch.tgt_out) / tokens
 
     def update(micro: list[Batch]) -> None:
         tokens = sum(b.ntokens for b in micro)
         for batch in micro:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), attention_kernels(device, bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), attention_backends(device):
                 loss = micro_loss(batch, tokens)
                 with phase("backward"):
                     loss.backward()
@@ -285,11 +289,12 @@ def with_mfu(row: dict[str, Any], peaks: dict[str, Any], datasheet: dict[str, An
 
 
 def loss_row(plan: Plan) -> dict[str, Any]:
-    """The loss of one micro-batch of the base preset, forward and backward, both ways training
-    computes it: the fused loss (select.fused_loss, the generator a chunk of rows at a time; eager
-    training on every device) and cross-entropy after one generator matmul (what train.compile
-    traces). Its rows are every position of a full micro-batch, as a GPU's loss takes them, a tenth
-    of them padding; ms, peak GPU memory above the inputs, and how far the two losses differ."""
+    """The loss of one micro-batch of the base preset, forward and backward, both ways training might
+    compute it: the fused loss (kernels/loss.py's fused_loss, the generator a chunk of rows at a time;
+    eager training's on a CPU) and cross-entropy after one generator matmul (the plain loss, eager
+    training's on a GPU and what train.compile traces). Its rows are every position of a full
+    micro-batch, a tenth of them padding; ms, peak GPU memory above the inputs, and how far the two
+    losses differ."""
     params = preset_params(PRESETS["base"], plan.tiny)
     t, vocab = params.train, params.vocab.size
     generator = model_of(params, vocab, plan.device).generator
@@ -300,7 +305,7 @@ def loss_row(plan: Plan) -> dict[str, Any]:
     target = target.masked_fill(torch.rand(t.max_tokens, generator=g) < 0.1, PAD).to(plan.device)
     terms = dict(pad=PAD, smoothing=t.label_smoothing, zero_pad=t.smoothing_zeroes_pad)
     ways = {
-        "fused": lambda: select.fused_loss(generator, hidden, target, **terms),
+        "fused": lambda: fused_loss(generator, hidden, target, LossSpec(**terms)),
         "plain": lambda: smoothed_cross_entropy(generator(hidden).float(), target, **terms),
     }
     row: dict[str, Any] = {"rows": t.max_tokens, "vocab": vocab, "dtype": "bf16" if bf16 else "fp32"}

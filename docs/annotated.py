@@ -35,7 +35,7 @@ from transformer.model.attention import MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import FeedForward, Residual
 from transformer.model.model import count_parameters, make_model
-from transformer.training.loss import rdrop_loss, smoothed_cross_entropy, token_loss
+from transformer.training.loss import Loss, smoothed_cross_entropy
 from transformer.training.schedule import rate
 from transformer.training.train import make_optimizer
 
@@ -497,11 +497,11 @@ ax.legend()
 # costs a second pass for each sentence it covers, so `train.rdrop_share` draws the share of each
 # batch's sentences that take one. On Multi30k it bought more than any other change ("R-Drop" and
 # "train.rdrop" rows of [the experiments](experiments.md)). The loss with its consistency term, as
-# the package defines it (the docstring states the term; the arithmetic, with its gradient
-# written out for speed, lives in `transformer/kernels/`):
+# the package defines it (on a CPU, training swaps in a twin that computes the same with its
+# gradient written out for speed, `transformer/kernels/loss.py`):
 
 # %%
-print(inspect.getsource(rdrop_loss))
+print(inspect.getsource(Loss.rdrop))
 
 # %% [markdown]
 # Both passes of a batch go in as one batch of twice the rows. With dropout on, they differ and
@@ -514,8 +514,8 @@ for mode in ("training", "evaluation"):
     noisy.train(mode == "training")
     with torch.no_grad():
         hidden = noisy(tokens.repeat(2, 1), tokens.repeat(2, 1))  # (2B, T, d_model), each row its masks
-        plain = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=0.0)
-        both = rdrop_loss(noisy, hidden, tokens, PAD, eps, alpha=alpha)
+        plain = Loss(PAD, eps).rdrop(noisy.generator, hidden, tokens, alpha=0.0)
+        both = Loss(PAD, eps).rdrop(noisy.generator, hidden, tokens, alpha=alpha)
     print(f"{mode}: summed cross-entropy {plain:.3f}, consistency term at alpha {alpha}: {both - plain:.4f}")
 
 # %% [markdown]
@@ -533,7 +533,7 @@ for mode in ("training", "evaluation"):
 with torch.autocast("cpu", dtype=torch.bfloat16):
     hidden = model(tokens, tokens)  # the stack's last LayerNorm hands back float32
     logits = model.generator(hidden)
-    loss = token_loss(model, hidden, tokens, PAD, eps)
+    loss = Loss(PAD, eps)(model.generator, hidden, tokens)
 print(f"weights {model.generator.weight.dtype}; under autocast: logits {logits.dtype}, loss {loss.dtype}")
 
 # %% [markdown]
@@ -560,7 +560,7 @@ while update < updates:
         batch = copies.batch(index)
         for group in optimizer.param_groups:
             group["lr"] = rate(update, toy["d_model"], factor=1.0, warmup=100, total=updates, cooldown=0.5)
-        loss = token_loss(copier, copier(batch.src, batch.tgt_in), batch.tgt_out, PAD, smoothing=0.0)
+        loss = Loss(PAD, smoothing=0.0)(copier.generator, copier(batch.src, batch.tgt_in), batch.tgt_out)
         optimizer.zero_grad()
         (loss / batch.ntokens).backward()
         optimizer.step()

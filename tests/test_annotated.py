@@ -82,14 +82,14 @@ def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):
 
 
 def test_the_page_shows_r_drops_loss_as_the_package_writes_it_today():
-    """The page prints the package's rdrop_loss with inspect.getsource; a change to it needs a new render."""
+    """The page prints the package's Loss.rdrop with inspect.getsource; a change to it needs a new render."""
     import inspect
 
-    from transformer.training.loss import rdrop_loss
+    from transformer.training.loss import Loss
 
     code = "\n".join(c.text for c in cells(SOURCE.read_text()) if c.kind == "code")
-    assert "def rdrop_loss" not in code, "the page copies rdrop_loss instead of printing the package's"
-    assert inspect.getsource(rdrop_loss).rstrip("\n") in PAGE.read_text(), "docs/annotated.md shows an old rdrop_loss"
+    assert "def rdrop" not in code, "the page copies Loss.rdrop instead of printing the package's"
+    assert inspect.getsource(Loss.rdrop).rstrip("\n") in PAGE.read_text(), "docs/annotated.md shows an old Loss.rdrop"
 
 
 def test_the_page_prints_the_readme_scores_of_the_default_and_the_annotated_transformers_recipe():

@@ -130,7 +130,7 @@ def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeyp
 
 
 # Updates of a tiny model in bf16 over batches of changing shapes, as training's are; the resident
-# set before them, after a first stretch (long enough to meet most row buckets, select.Linear's)
+# set before them, after a first stretch (long enough to meet most row buckets, PaddedLinear's)
 # and after two and a half times as many.
 _UPDATES = """
 import json, torch
@@ -138,7 +138,8 @@ from transformer.kernels.memory import keep_freed_memory, training_memory
 training_memory()
 keep_freed_memory()  # as training does where it runs on glibc
 from transformer.data.batching import Batch
-from transformer.training.loss import batch_loss
+from transformer.training.loss import Loss, batch_loss
+from transformer.kernels.accelerate import accelerate
 from transformer.model.model import make_model
 from transformer.training.train import make_optimizer
 
@@ -150,6 +151,7 @@ torch.manual_seed(0)
 vocab = 8000
 model = make_model(src_vocab=vocab, tgt_vocab=vocab, pad=0, N=1, decoder_N=0, d_model=64, d_ff=256, h=2,
                    dropout=0.1, attn_dropout=0.0, ff_dropout=0.0, word_dropout=0.0, norm="pre", tie_embeddings=True)
+model, criterion = accelerate(model, torch.device("cpu")), accelerate(Loss(0, 0.1), torch.device("cpu"))
 optimizer = make_optimizer(model, 0.0, torch.device("cpu"))
 rss, pending = {0: resident_mb()}, []
 for step in range(1, 201):
@@ -158,7 +160,8 @@ for step in range(1, 201):
     real = torch.arange(length)[None] < torch.randint(1, length + 1, (rows, 1))
     src, tgt = (torch.where(real, torch.randint(4, vocab, (rows, length)), 0) for _ in range(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # its casts' blocks are what fragment glibc's heap
-        loss = batch_loss(model, model, Batch(src, tgt, tgt, int(real.sum())), 0, 0.1, rdrop=5.0, share=0.5)
+        batch = Batch(src, tgt, tgt, int(real.sum()))
+        loss = batch_loss(model, model.generator, batch, criterion, rdrop=5.0, share=0.5)
         loss.backward()
     pending.append(loss.detach())  # held until the next sync, as training holds them
     if step % 20 == 0:

@@ -29,7 +29,7 @@ MIMALLOC_OPTIONS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"}
 # oneDNN's cache of built kernels (its capacity, unless the environment sets it): one kernel per op
 # and shape (a CPU's bf16 matmuls), about half a MB each. Attention's shapes change with every batch,
 # so oneDNN's default 1,024 fills with kernels rarely used again; 512 still keeps those the updates
-# reuse (select.Linear's row buckets above all), which a smaller cache would rebuild (docs/speed.md).
+# reuse (PaddedLinear's row buckets above all), which a smaller cache would rebuild (docs/speed.md).
 KERNEL_CACHE_ENV, KERNEL_CACHE, ONEDNN_KERNEL_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY", 512, 1024
 
 

@@ -30,7 +30,8 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
       (keep_freed_memory), and the baseline's rows run with glibc's defaults, as the seed does.
     pad8-*: batch sides padded to multiples of 8 tokens (train.pad_multiple 8), batched for it;
       compiled-*: the same under torch.compile (train.compile; inductor, sizes symbolic),
-      compiled in its warm-up updates.
+      compiled in its warm-up updates; compiled-rdrop-half-*: rdrop-half-* under torch.compile.
+      Every row reports its warm-up's seconds apart (warmup_s): a compiled row's compile time.
   The bench runs with training's memory settings (training_memory: oneDNN's kernel cache
   limited, mimalloc where installed, where the glibc rows are left out; TRANSFORMER_ALLOCATOR=glibc
   runs every row on glibc's). The bf16 rows and peak are left out on a CPU without bf16 hardware
@@ -162,10 +163,12 @@ class Clock:
 
 
 def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float) -> tuple[Clock, list[Batch]]:
-    """The clock of the timed updates, and their batches. CPU ops run synchronously, so the
-    clock needs no device sync."""
+    """The clock of the timed updates (its warmup_s: the seconds of the untimed ones before), and their
+    batches. CPU ops run synchronously, so the clock needs no device sync."""
+    start = time.perf_counter()
     for batch in batches[:warmup]:
         step(batch)
+    warmup_s = time.perf_counter() - start
     timed = []
     with Clock() as clock:
         for batch in batches[warmup:]:
@@ -173,6 +176,7 @@ def time_training(step: Step, batches: list[Batch], warmup: int, seconds: float)
             timed.append(batch)
             if len(timed) >= 2 and time.perf_counter() - clock.start >= seconds:
                 break
+    clock.warmup_s = warmup_s
     return clock, timed
 
 
@@ -223,6 +227,19 @@ TRAIN_ROWS = (
     TrainRow("compiled-fp32", "torch.compile", TO_8, vs="pad8-fp32", compile=True),
     TrainRow("pad8-bf16", "padded to multiples of 8", TO_8, bf16=True, vs="plain-bf16"),
     TrainRow("compiled-bf16", "torch.compile", TO_8, bf16=True, vs="pad8-bf16", compile=True),
+    TrainRow(
+        "compiled-rdrop-half-fp32", "torch.compile", TOKENS, vs="rdrop-half-fp32", rdrop=True, share=0.5, compile=True
+    ),
+    TrainRow(
+        "compiled-rdrop-half-bf16",
+        "torch.compile",
+        TOKENS,
+        True,
+        "rdrop-half-bf16",
+        rdrop=True,
+        share=0.5,
+        compile=True,
+    ),
 )
 ROW_NAMES = tuple(row.name for row in TRAIN_ROWS)
 COMPILE_WARMUP = 3  # untimed updates of a compiled row at least
@@ -243,6 +260,7 @@ def train_row(row: TrainRow, step: Step, batches: list[Batch], size: Size, data:
         "dtype": row.dtype,
         "updates": len(timed),
         "seconds": round(seconds, 3),
+        "warmup_s": round(clock.warmup_s, 3),
         "target_tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
         "flops_per_token": round(flops / tokens),
@@ -349,6 +367,7 @@ def decode_row(
         "dtype": "fp32",
         "sentences": len(sources),
         "seconds": round(seconds, 3),
+        "warmup_s": round(clock.warmup_s, 3),
         "target_tokens": tokens,
         "forced_length_held": tokens == expected,
         "tokens_per_s": round(tokens / seconds, 1),

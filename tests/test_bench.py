@@ -44,6 +44,7 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp
         "rdrop-half-fp32",
         "pad8-fp32",
         "compiled-fp32",
+        "compiled-rdrop-half-fp32",
     ]
     assert {r["key"]: r["vs"] for r in rows} == {
         "ours-256": "baseline-256",
@@ -56,6 +57,7 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp
         "rdrop-half-fp32": "rdrop-fp32",
         "pad8-fp32": "plain-fp32",
         "compiled-fp32": "pad8-fp32",
+        "compiled-rdrop-half-fp32": "rdrop-half-fp32",
     }
     assert all(r["dtype"] == "fp32" and r["tokens_per_s"] > 0 for r in rows)
     assert "bf16 not measured" in bench.table({"fp32": 1.0}, 0.0, rows)
@@ -78,6 +80,8 @@ def test_with_a_bf16_peak_the_bf16_rows_run_in_bf16(data):
         ("compiled-fp32", "fp32", "pad8-fp32"),
         ("pad8-bf16", "bf16", "plain-bf16"),
         ("compiled-bf16", "bf16", "pad8-bf16"),
+        ("compiled-rdrop-half-fp32", "fp32", "rdrop-half-fp32"),
+        ("compiled-rdrop-half-bf16", "bf16", "rdrop-half-bf16"),
     ]
 
 
@@ -115,6 +119,7 @@ def test_ours_keeps_freed_memory_as_training_does_but_the_glibc_rows_and_the_bas
         *("ours-256", "baseline-256", "plain-fp32", "seed-recipe", "plain-bf16", "torch-attention-bf16"),
         *("rdrop-fp32", "rdrop-bf16", "glibc-fp32", "glibc-bf16", "rdrop-shared-fp32", "rdrop-shared-bf16"),
         *("rdrop-half-fp32", "rdrop-half-bf16", "pad8-fp32", "compiled-fp32", "pad8-bf16", "compiled-bf16"),
+        *("compiled-rdrop-half-fp32", "compiled-rdrop-half-bf16"),
     ]
     assert [r["key"] for r in rows] == keys
     malloc_defaults = {

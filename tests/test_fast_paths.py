@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model, tiny_params, train_outputs
 
+import transformer.kernels.loss as kernel_loss
 from transformer.config import params_from_dict
 from transformer.decoding.search import beam_search, greedy
-from transformer.kernels import select
+from transformer.kernels.accelerate import accelerate
 from transformer.kernels.select import attention_kernels
 from transformer.kernels.softmax import float32_softmax
 from transformer.model.attention import MultiHeadAttention
 from transformer.training import precision as precision_module
 from transformer.training import train as train_module
-from transformer.training.loss import token_loss
+from transformer.training.loss import Loss
 
 
 def _model(N: int = 2):
@@ -47,22 +48,22 @@ def test_attention_goes_through_scaled_dot_product_attention(monkeypatch):
     assert sum(bool(k.get("is_causal")) for k in calls) == 2  # decoder self-attention: causal, no mask tensor
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "whole"])
-def test_generator_projects_only_non_pad_positions(monkeypatch, fuse):
-    if not fuse:
-        monkeypatch.setattr(select, "fuses_loss", lambda generator, rows: False)
-    model = _model()
+def test_generator_projects_only_non_pad_positions(monkeypatch):
+    """On a CPU, the model and the loss accelerated as training accelerates them (the generator a
+    PaddedLinear, the loss a FusedLoss), the vocabulary projection takes the non-pad positions alone."""
+    cpu = torch.device("cpu")
+    model, loss = accelerate(_model(), cpu), accelerate(Loss(2, 0.1), cpu)
     rows = []
     model.generator.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
-    fused = select.fused_loss  # the fused loss reads the generator's weight, not its forward
+    fused = kernel_loss.fused_loss  # the fused loss reads the generator's weight, not its forward
 
     def counted(generator, hidden, *args, **kwargs):
         rows.append(hidden.shape[0])
         return fused(generator, hidden, *args, **kwargs)
 
-    monkeypatch.setattr(select, "fused_loss", counted)
+    monkeypatch.setattr(kernel_loss, "fused_loss", counted)
     tgt_out = torch.tensor([[5, 6, 1, 2, 2], [7, 1, 2, 2, 2], [5, 6, 7, 8, 1]])
-    token_loss(model, model(_src(), tgt_out), tgt_out, pad=2, smoothing=0.1)
+    loss(model.generator, model(_src(), tgt_out), tgt_out)
     assert rows == [int((tgt_out != 2).sum())]
 
 

@@ -47,7 +47,6 @@ from transformer.decoding.translate import Translator
 from transformer.io import DataError
 from transformer.kernels.accelerate import accelerate
 from transformer.kernels.loss import FusedLoss
-from transformer.kernels.select import attention_kernels
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.layers import FeedForward
 from transformer.model.model import check_model_config
@@ -378,8 +377,8 @@ def test_new_dropouts_at_zero_train_exactly_as_the_model_without_them(monkeypatc
     monkeypatch.setattr(FeedForward, "forward", lambda self, x: self.w_2(torch.relu(self.w_1(x))))
     monkeypatch.setattr(
         MultiHeadAttention,
-        "_attend",
-        lambda self, q, k, v, mask, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal),
+        "attend",
+        lambda self, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.keys, is_causal=mask.causal),
     )
     hidden_old, grads_old = _train_step(old, seed=7)
     assert torch.equal(hidden_new, hidden_old)
@@ -392,8 +391,9 @@ def test_each_new_dropout_acts_in_training_only(param, written_out):
     torch.manual_seed(3)
     plain, dropped = _tiny(dropout=0.0), _tiny(dropout=0.0, **{param: 0.5})
     dropped.load_state_dict(plain.state_dict())
-    # CPU bf16 training's attention (attention_kernels) is written out, its dropout with it
-    with attention_kernels(torch.device("cpu"), True) if written_out else contextlib.nullcontext():
+    for model in (plain, dropped) if written_out else ():  # CPU bf16 training's attention (CpuAttention)
+        accelerate(model, torch.device("cpu"))  # is written out, its dropout with it
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=written_out):
         assert not torch.equal(_train_step(plain, seed=7)[0], _train_step(dropped, seed=7)[0])
         src, tgt_in, _ = _batch()
         assert torch.equal(plain.eval()(src, tgt_in), dropped.eval()(src, tgt_in))

@@ -45,13 +45,13 @@ from transformer.data.download import MIRROR_ENV, download_corpus, load_registry
 from transformer.data.vocab import PAD, BpeVocab, WordVocab
 from transformer.decoding.translate import Translator
 from transformer.io import DataError
-from transformer.kernels import select
-from transformer.kernels.select import attention_kernels
+from transformer.kernels.accelerate import accelerate
+from transformer.kernels.loss import FusedLoss
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.layers import FeedForward
 from transformer.model.model import check_model_config
 from transformer.presets import names, recipe
-from transformer.training.loss import smoothed_cross_entropy, token_loss
+from transformer.training.loss import Loss, smoothed_cross_entropy
 
 # Dropout on, so that every rank draws random numbers; 600 pairs make 6 updates an epoch on 2 ranks.
 DDP_RUN = {"train.nproc": 2, "train.epochs": 10, "train.save_every": 4, "model.dropout": 0.1}
@@ -311,18 +311,17 @@ def test_loss_over_all_positions_with_pads_ignored_equals_the_loss_over_selected
     model = _tiny(dropout=0.0).eval()
     _, _, tgt_out = _batch()
     hidden = torch.randn(*tgt_out.shape, 16)
-    selected = token_loss(model, hidden, tgt_out, PAD, smoothing, zero_pad)  # the CPU path
-    every = smoothed_cross_entropy(
-        model.generator(hidden).float().flatten(0, 1), tgt_out.flatten(), PAD, smoothing, zero_pad
-    )
+    cpu = accelerate(Loss(PAD, smoothing, zero_pad), torch.device("cpu"))
+    assert isinstance(cpu, FusedLoss)  # the CPU's loss, on the non-pad positions alone
+    selected = cpu(model.generator, hidden, tgt_out)
+    every = Loss(PAD, smoothing, zero_pad)(model.generator, hidden, tgt_out)  # an accelerator's: every position
     assert torch.allclose(selected, every, rtol=1e-6, atol=0)
     assert selected.item() > 0
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing, monkeypatch):
-    # the whole loss; test_loss holds the fused one to it
-    monkeypatch.setattr(select, "fuses_loss", lambda generator, rows: False)
+def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing):
+    # the plain loss; test_loss holds the fused one to it
     torch.manual_seed(0)
     model = _tiny(dropout=0.0).eval()
     _, _, tgt_out = _batch()
@@ -331,7 +330,7 @@ def test_cpu_loss_is_bit_identical_to_the_boolean_indexing_formulation(smoothing
     before = F.cross_entropy(
         model.generator(hidden[keep]).float(), tgt_out[keep], reduction="sum", label_smoothing=smoothing
     )
-    assert torch.equal(token_loss(model, hidden, tgt_out, PAD, smoothing), before)
+    assert torch.equal(Loss(PAD, smoothing)(model.generator, hidden, tgt_out), before)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -340,13 +339,14 @@ def test_gpu_loss_runs_without_a_host_sync_and_matches_the_cpu():
     model = _tiny(dropout=0.0).eval()
     _, _, tgt_out = _batch()
     hidden = torch.randn(*tgt_out.shape, 16)
-    cpu = token_loss(model, hidden, tgt_out, PAD, 0.1, True)
+    cpu = accelerate(Loss(PAD, 0.1, True), torch.device("cpu"))(model.generator, hidden, tgt_out)
     model.cuda()
     hidden, tgt_out = hidden.cuda(), tgt_out.cuda()
+    loss = accelerate(Loss(PAD, 0.1, True), hidden.device)  # what CUDA training takes
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
-        gpu = token_loss(model, hidden, tgt_out, PAD, 0.1, True)
+        gpu = loss(model.generator, hidden, tgt_out)
         with pytest.raises(RuntimeError, match="synchroniz"):
             model.generator(hidden[tgt_out != PAD])  # what the loss did before
     finally:
@@ -362,7 +362,7 @@ def _train_step(model: torch.nn.Module, seed: int, smoothing_zeroes_pad: bool = 
     torch.manual_seed(seed)
     model.train()
     hidden = model(src, tgt_in)
-    loss = token_loss(model, hidden, tgt_out, PAD, 0.1, smoothing_zeroes_pad)
+    loss = Loss(PAD, 0.1, smoothing_zeroes_pad)(model.generator, hidden, tgt_out)
     loss.backward()
     return hidden.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -377,8 +377,8 @@ def test_new_dropouts_at_zero_train_exactly_as_the_model_without_them(monkeypatc
     monkeypatch.setattr(FeedForward, "forward", lambda self, x: self.w_2(torch.relu(self.w_1(x))))
     monkeypatch.setattr(
         MultiHeadAttention,
-        "_attend",
-        lambda self, q, k, v, mask, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal),
+        "attend",
+        lambda self, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.keys, is_causal=mask.causal),
     )
     hidden_old, grads_old = _train_step(old, seed=7)
     assert torch.equal(hidden_new, hidden_old)
@@ -391,8 +391,9 @@ def test_each_new_dropout_acts_in_training_only(param, written_out):
     torch.manual_seed(3)
     plain, dropped = _tiny(dropout=0.0), _tiny(dropout=0.0, **{param: 0.5})
     dropped.load_state_dict(plain.state_dict())
-    # CPU bf16 training's attention (attention_kernels) is written out, its dropout with it
-    with attention_kernels(torch.device("cpu"), True) if written_out else contextlib.nullcontext():
+    for model in (plain, dropped) if written_out else ():  # CPU bf16 training's attention (CpuAttention)
+        accelerate(model, torch.device("cpu"))  # is written out, its dropout with it
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=written_out):
         assert not torch.equal(_train_step(plain, seed=7)[0], _train_step(dropped, seed=7)[0])
         src, tgt_in, _ = _batch()
         assert torch.equal(plain.eval()(src, tgt_in), dropped.eval()(src, tgt_in))

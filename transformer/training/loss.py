@@ -43,7 +43,7 @@ class Loss(nn.Module):
         """The smoothed cross-entropy of the generator's logits of `hidden` (B, T, d_model) against
         `tgt_out` (B, T), summed over its non-pad tokens; `smoothing` 0 gives the NLL (validation's)."""
         smoothing = self.smoothing if smoothing is None else smoothing
-        logits = generator(hidden).flatten(0, -2).float()
+        logits = _at_least_float32(generator(hidden)).flatten(0, -2)
         return smoothed_cross_entropy(logits, tgt_out.flatten(), self.pad, smoothing, self.zero_pad)
 
     def rdrop(self, generator: nn.Module, hidden: torch.Tensor, tgt_out: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -56,12 +56,17 @@ class Loss(nn.Module):
         KL(P1||P2) + KL(P2||P1) = <P1 - P2, log P1 - log P2>. That is the paper's objective (both
         cross-entropies plus alpha / 2 times the symmetric KL) halved, so that the loss keeps the
         scale of one pass and alpha means what the paper's does."""
-        logits = generator(hidden).float()  # (2B, T, V)
+        logits = _at_least_float32(generator(hidden))  # (2B, T, V)
         both = tgt_out.repeat(2, 1).flatten()
         ce = smoothed_cross_entropy(logits.flatten(0, 1), both, self.pad, self.smoothing, self.zero_pad)
         log_p1, log_p2 = logits.log_softmax(-1).chunk(2)
         kl = ((log_p1.exp() - log_p2.exp()) * (log_p1 - log_p2)).sum(-1)  # (B, T)
         return ce / 2 + alpha / 4 * kl.masked_fill(tgt_out == self.pad, 0.0).sum()
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32, or in float64 where they are: bf16 logits (autocast's) would round the loss."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def batch_loss(forward, generator: nn.Module, batch, loss: Loss, *, rdrop=0.0, shared_encoder=False, share=1.0):

@@ -2,8 +2,10 @@
 # # The annotated model
 #
 # "Attention Is All You Need" (Vaswani et al., 2017) read section by section next to the code that
-# trains this project's models. No cell below defines a layer of its own: each imports the piece of
-# the `transformer` package that the pipeline runs, builds it at toy size and shows what it does.
+# trains this project's models. No cell below defines a layer of its own: each prints the package's
+# own code, the very classes the pipeline trains, then builds them at toy size and shows what they do.
+# That code is the paper's alone; on a CPU, training swaps in faster twins of a few of these modules,
+# each held by a test to the plain one (`transformer/kernels/`, [speed](speed.md)).
 # The layout follows the paper: the model (section 3), training (section 5), decoding (section 6),
 # then what the full pipeline makes of it on Multi30k.
 #
@@ -31,10 +33,10 @@ from transformer.data.batching import ParallelCorpus, token_batches
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
 from transformer.decoding.search import beam_search_nbest, greedy, length_penalty
-from transformer.model.attention import MultiHeadAttention
+from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
-from transformer.model.layers import FeedForward, Residual
-from transformer.model.model import count_parameters, make_model
+from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
+from transformer.model.model import Transformer, count_parameters, make_model
 from transformer.training.loss import Loss, smoothed_cross_entropy
 from transformer.training.schedule import rate
 from transformer.training.train import make_optimizer
@@ -88,6 +90,7 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 # shows once `make_model` has drawn the initial weights, below.
 
 # %%
+print(inspect.getsource(PositionalEncoding._table))
 embed = Embeddings(vocab=10, d_model=d_model)
 tokens = torch.tensor([[4, 5, 6, 7, 1], [8, 9, 1, PAD, PAD]])  # (B, T)
 print("embeddings:", tuple(embed(tokens).shape), " scale sqrt(d_model) =", embed.scale)
@@ -119,11 +122,12 @@ fig.colorbar(image, ax=right)
 # instead, keeping the softmax's output in `.weights`; the two give the same result.
 
 # %%
+print(inspect.getsource(MultiHeadAttention.attend))
 attention = MultiHeadAttention(d_model, h, self_attention=True).eval()
 x = torch.randn(B, T, d_model)
-fast = attention(x)
+fast = attention(x, None, Mask())  # self-attention: no memory, every key visible
 attention.keep_weights = True
-written_out = attention(x)
+written_out = attention(x, None, Mask())
 print("input  x:", tuple(x.shape), "  (B, T, d_model)")
 print("output  :", tuple(fast.shape), "  (B, T, d_model)")
 print("weights :", tuple(attention.weights.shape), "(B, h, T, T): one T x T map per sentence and head")
@@ -145,16 +149,19 @@ print("fused kernel == formula:", torch.allclose(fast, written_out, atol=1e-6))
 # self-attention (queries, keys and values from the same sequence) computes all three in a single
 # matmul, and source attention, the decoder's attention over the encoder's output, projects queries
 # from the decoder and keys and values from the memory. Decoding computes the memory's keys and
-# values once per sentence (`memory_heads`) and reuses them at every step.
+# values once per sentence (`memory_heads`) and reuses them at every step, appending each step's
+# own keys and values to self-attention's `cache`.
 
 # %%
+print(inspect.getsource(MultiHeadAttention.forward))
+print(inspect.getsource(MultiHeadAttention.heads))
 source_attention = MultiHeadAttention(d_model, h, self_attention=False).eval()
 memory = torch.randn(B, 7, d_model)  # an encoder output of 7 source tokens
 k, v = source_attention.memory_heads(memory)
 for name, module in (("self-attention", attention), ("source attention", source_attention)):
     print(name, {n: tuple(p.shape) for n, p in module.named_parameters()})
 print("memory:", tuple(memory.shape), "-> keys", tuple(k.shape), "and values", tuple(v.shape), " (B, h, S, d_k)")
-print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_attention(x, memory).shape))
+print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_attention(x, memory, Mask()).shape))
 
 # %% [markdown]
 # ## Masks
@@ -165,21 +172,22 @@ print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_atten
 # queries. The future: when training, the decoder sees the whole target at once, shifted right by
 # `<s>`, and position $i$ must not attend to positions after $i$, or it would read the token it is
 # asked to predict. That causal mask is lower triangular; torch's kernels build it themselves from
-# `is_causal`, so here it shows in the decoder's weights.
+# `is_causal`, so here it shows in the decoder's weights. One `Mask` says both, for each attention:
 
 # %%
+print(inspect.getsource(Mask))
 tiny = dict(d_model=d_model, d_ff=d_ff, h=h, dropout=0.0, tie_embeddings=True)
 model = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **tiny).eval()
 src_mask = model.src_mask(tokens)
-print("source mask", tuple(src_mask.shape), "of the two sentences above:")
-print(src_mask[:, 0, 0].int())
+print("source mask", tuple(src_mask.keys.shape), "of the two sentences above:")
+print(src_mask.keys[:, 0, 0].int())
 
 layer = model.decoder.layers[0]
 layer.self_attn.keep_weights = layer.src_attn.keep_weights = True
 with torch.no_grad():
     model(tokens, tokens)
 fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-axes[0].imshow(src_mask[:, 0, 0], cmap="Greys_r")
+axes[0].imshow(src_mask.keys[:, 0, 0], cmap="Greys_r")
 axes[0].set(title="padding mask (white: a real key)", xlabel="key position", ylabel="sentence", yticks=[0, 1])
 axes[1].imshow(layer.self_attn.weights[1, 0], cmap="viridis")
 axes[1].set(title="decoder self-attention: causal", xlabel="key position", ylabel="query position")
@@ -200,12 +208,16 @@ fig.tight_layout()
 # $$\mathrm{FFN}(x) = \max(0, xW_1 + b_1)\,W_2 + b_2$$
 #
 # Every sub-layer, attention or feed-forward, is wrapped by `Residual`: dropout on the sub-layer's
-# output, a residual connection, and a layer normalization.
+# output, a residual connection, and a layer normalization. An encoder layer is two of them,
+# self-attention then the feed-forward network; a decoder layer three, with attention over the
+# encoder's output (the memory) between its masked self-attention and its feed-forward network.
 
 # %%
 ffn = FeedForward(d_model, d_ff)
 print("FFN:", ffn.w_1, "->", ffn.w_2, "; shape in", tuple(x.shape), "out", tuple(ffn(x).shape))
 print(inspect.getsource(Residual.forward))
+print(inspect.getsource(EncoderLayer.forward))
+print(inspect.getsource(DecoderLayer.forward))
 
 # %% [markdown]
 # ## Pre-norm and post-norm
@@ -246,8 +258,10 @@ for i, (post, pre) in enumerate(zip(scales["post"], scales["pre"]), 1):
 # vocabulary share one matrix, as in section 3.4. The paper's base model, on a shared vocabulary
 # of 37,000 BPE pieces, is counted below without allocating it (on torch's `meta` device). The
 # paper gives 65M parameters for it (Table 3); the default recipe of this project is much smaller.
+# The model's forward pass for training, encoder then decoder over the whole target at once:
 
 # %%
+print(inspect.getsource(Transformer.forward))
 paper_base = dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, norm="post", tie_embeddings=True)
 with torch.device("meta"):
     base = make_model(src_vocab=37000, tgt_vocab=37000, pad=PAD, **paper_base)

@@ -91,9 +91,10 @@ def _partial_rdrop_loss(forward, generator, batch, loss: Loss, *, share: float, 
     resumed run draws the same), and the plain loss on the others: each sentence keeps one pass's
     weight, and the work is 1 + share passes instead of 2."""
     n = batch.src.size(0)
-    # Index lists, not a boolean mask: a mask sizes its result by a count the host would wait for.
-    order, k = torch.randperm(n), max(1, round(share * n))
-    twice, once = (part.sort().values.to(batch.src.device) for part in (order[:k], order[k:]))
+    # Index lists drawn on the batch's device, not a boolean mask: a mask sizes its result by a count,
+    # and a list drawn on the host is a copy, that a GPU's host would wait for.
+    order, k = torch.randperm(n, device=batch.src.device), max(1, round(share * n))
+    twice, once = (part.sort().values for part in (order[:k], order[k:]))
     hidden = forward(
         torch.cat([batch.src, batch.src[twice]]), torch.cat([batch.tgt_in, batch.tgt_in[twice]])
     )  # (B + k, T, d)

@@ -401,16 +401,7 @@ def model_rows(
         engine = load_ctranslate2(work / q, torch.get_num_threads())  # same threads as ours
 
         def run(batch: list[str]) -> tuple[list[str], int]:
-            ids = ctranslate2_translate(
-                engine,
-                translator.src_vocab,
-                translator.tgt_vocab,
-                batch,
-                search.beam,
-                search.alpha,
-                search.max_len_extra,
-                search.batch_tokens // search.beam,
-            )
+            ids = ctranslate2_translate(engine, translator.src_vocab, translator.tgt_vocab, batch, search)
             produced = sum(len(i) + 1 for i, line in zip(ids, batch) if line.strip())  # + </s>, as ours counts
             return [detokenize(translator.tgt_vocab.decode(i)) for i in ids], produced
 

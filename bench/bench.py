@@ -96,7 +96,7 @@ from bench.common import (
 from transformer.data.batching import Batch, ParallelCorpus
 from transformer.data.vocab import BOS, PAD
 from transformer.decoding.search import beam_search
-from transformer.decoding.translate import batched_search
+from transformer.decoding.translate import Search, batched_search
 from transformer.evaluation.system import hardware
 from transformer.io import write_json
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory
@@ -342,9 +342,10 @@ def decode_sources(corpus: ParallelCorpus, count: int) -> list[list[int]]:
 
 def decode_ours(model: torch.nn.Module, sources: list[list[int]], beam: int) -> int:
     """Target tokens produced by ours on every source, batched by length as transformer.decoding.translate does."""
-    run = functools.partial(beam_search, model, beam=beam, alpha=PARAMS.decode.alpha, bos=BOS, eos=NO_EOS)
-    limits = [len(s) + EXTRA for s in sources]
-    searched = batched_search(sources, limits, beam, PARAMS.decode.batch_tokens, torch.device("cpu"), run)
+    search = Search.of(PARAMS.decode, beam=beam, max_len_extra=EXTRA)
+    run = functools.partial(beam_search, model, beam=search.beam, alpha=search.alpha, bos=BOS, eos=NO_EOS)
+    limits = [len(s) + search.max_len_extra for s in sources]
+    searched = batched_search(sources, limits, search, torch.device("cpu"), run)
     return sum(len(out) for _, found in searched for out in found)
 
 
@@ -405,31 +406,21 @@ def model_rows(
     from transformer.serving.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 
     translator = Translator(model_path, device="cpu")
-    p = translator.params["decode"]
-    beam = beam or p["beam"]
+    search = translator.search(beam=beam) if beam else translator.search()
     lines, refs = read_lines(source), read_lines(reference)
     for q in ("none", "int8"):
         export_ctranslate2(model_path, work / q, q)
 
     def ours(batch: list[str]) -> tuple[list[str], int]:
         translator.tokens_out = 0
-        out = translator.translate_tokenized(batch, beam=beam, alpha=p["alpha"], max_len_extra=p["max_len_extra"])
+        out = translator.translate_tokenized(batch, search)
         return out, translator.tokens_out
 
     def theirs(q: str) -> Callable[[list[str]], tuple[list[str], int]]:
         engine = load_ctranslate2(work / q, torch.get_num_threads())  # same threads as ours
 
         def run(batch: list[str]) -> tuple[list[str], int]:
-            ids = ctranslate2_translate(
-                engine,
-                translator.src_vocab,
-                translator.tgt_vocab,
-                batch,
-                beam,
-                p["alpha"],
-                p["max_len_extra"],
-                p["batch_tokens"] // beam,
-            )
+            ids = ctranslate2_translate(engine, translator.src_vocab, translator.tgt_vocab, batch, search)
             produced = sum(len(i) + 1 for i, line in zip(ids, batch) if line.strip())  # + </s>, as ours counts
             return [detokenize(translator.tgt_vocab.decode(i)) for i in ids], produced
 
@@ -437,9 +428,9 @@ def model_rows(
 
     rows = []
     for key, label, dtype, run in (
-        ("ours-beam", f"ours, beam {beam}, batched", "fp32", ours),
-        ("ctranslate2-fp32", f"CTranslate2, beam {beam}", "fp32", theirs("none")),
-        ("ctranslate2-int8", f"CTranslate2, beam {beam}", "int8", theirs("int8")),
+        ("ours-beam", f"ours, beam {search.beam}, batched", "fp32", ours),
+        ("ctranslate2-fp32", f"CTranslate2, beam {search.beam}", "fp32", theirs("none")),
+        ("ctranslate2-int8", f"CTranslate2, beam {search.beam}", "int8", theirs("int8")),
     ):
         run(lines[:8])  # warm-up
         with Clock() as clock:

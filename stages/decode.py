@@ -24,22 +24,14 @@ from transformer.stage import PARAMS, stage
 @stage
 def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Path, report: Path) -> None:
     from transformer.data.vocab import load_vocabs
-    from transformer.decoding.translate import Translator, timed_translate
+    from transformer.decoding.translate import Search, Translator, timed_translate
     from transformer.kernels.memory import peak_rss_mb
 
     p = load_params(params_path).decode
     translator = Translator(model_path)
     translator.check_vocab(*load_vocabs(vocab), vocab)
     lines = read_lines(source)
-    hyps, speed = timed_translate(
-        translator,
-        lines,
-        beam=p.beam,
-        alpha=p.alpha,
-        max_len_extra=p.max_len_extra,
-        batch_tokens=p.batch_tokens,
-        progress=True,
-    )
+    hyps, speed = timed_translate(translator, lines, Search.of(p), progress=True)
     write_lines(out, hyps)
     write_json(report, speed | {"beam": p.beam, "peak_rss_mb": round(peak_rss_mb())})  # the process's, model included
     click.echo(f"{source}: {speed['sentences_per_s']} sentences/s, {speed['tokens_per_s']} tokens/s", err=True)

@@ -3,6 +3,7 @@ model it logs and registers, and `dvc artifacts get` finding the model by the na
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -18,10 +19,11 @@ from transformer.cli import main
 from transformer.config import load_params
 from transformer.data.vocab import EOS
 from transformer.decoding.search import greedy
-from transformer.decoding.translate import Translator
+from transformer.decoding.translate import Search, Translator
 from transformer.serving.export import ctranslate2_translate, export_ctranslate2, load_ctranslate2
 
 LINES = SRC_LINES + ["Hund Hund ein", "Buch liest Frau eine Männer", "ein", ""]
+GREEDY = Search(beam=1, alpha=0.0, max_len_extra=6, batch_tokens=6000)  # every line of LINES in one batch
 
 
 def _model_file(path, norm: str, seed: int, decoder_N: int = 0):
@@ -37,7 +39,7 @@ def test_exported_model_decodes_greedily_as_ours_in_float32(tmp_path, norm, deco
         src = torch.tensor([translator.src_vocab.encode(line) + [EOS]])
         ours = greedy(translator.model, src, torch.tensor([src.size(1) + 6]), 0, EOS)[0] if line else []
         theirs = ctranslate2_translate(
-            load_ctranslate2(tmp_path / "ct2"), translator.src_vocab, translator.tgt_vocab, [line], 1, 0.0, 6
+            load_ctranslate2(tmp_path / "ct2"), translator.src_vocab, translator.tgt_vocab, [line], GREEDY
         )[0]
         assert theirs == ours, line
         ended += len(ours) < src.size(1) + 6
@@ -55,9 +57,15 @@ def test_int8_export_is_smaller_and_still_translates(tmp_path):
     assert size["int8"] < 0.8 * size["fp32"]
     translator = Translator(model, device="cpu")
     out = ctranslate2_translate(
-        load_ctranslate2(tmp_path / "int8"), translator.src_vocab, translator.tgt_vocab, LINES, 1, 0.0, 6
+        load_ctranslate2(tmp_path / "int8"), translator.src_vocab, translator.tgt_vocab, LINES, GREEDY
     )
     assert len(out) == len(LINES) and out[-1] == []
+
+
+def test_ctranslate2_is_refused_the_sampling_and_n_best_lists_only_ours_does():
+    for search in (dataclasses.replace(GREEDY, sample=True), dataclasses.replace(GREEDY, beam=2, nbest=2)):
+        with pytest.raises(ValueError, match="beam search, one translation a line"):
+            ctranslate2_translate(None, *word_vocabs(), LINES, search)  # refused before the engine is asked
 
 
 def test_export_of_a_non_model_file_is_one_error_line_and_no_output(tmp_path):

@@ -54,11 +54,11 @@ def test_nbest_first_is_beam_searchs_answer_and_scores_are_the_models_log_probab
 
 def test_translator_nbest_returns_best_first_lists_whose_head_is_the_plain_translation(model_file):
     translator = Translator.load(model_file, device="cpu")
-    plain = translator.translate(SRC_LINES, beam=3, max_len_extra=3)
-    lists = translator.translate(SRC_LINES, beam=3, nbest=3, return_scores=True, max_len_extra=3)
+    plain = translator.translate(SRC_LINES, translator.search(beam=3, max_len_extra=3))
+    lists = translator.translate(SRC_LINES, translator.search(beam=3, nbest=3, max_len_extra=3), return_scores=True)
     assert [hyps[0][0] for hyps in lists] == plain
     assert all(len(hyps) == 3 and all(isinstance(s, float) and s <= 0 for _, s in hyps) for hyps in lists)
-    pairs = translator.translate(SRC_LINES, beam=3, return_scores=True, max_len_extra=3)
+    pairs = translator.translate(SRC_LINES, translator.search(beam=3, max_len_extra=3), return_scores=True)
     assert pairs == [hyps[0] for hyps in lists]
 
 
@@ -135,7 +135,7 @@ def wordy_file(model_file, tmp_path_factory) -> Path:
 
 def test_translator_score_gives_each_translation_the_score_translate_gave_it(wordy_file):
     translator, extra = Translator.load(wordy_file, device="cpu"), 4
-    lists = translator.translate(SRC_LINES, beam=4, nbest=4, return_scores=True, max_len_extra=extra)
+    lists = translator.translate(SRC_LINES, translator.search(beam=4, nbest=4, max_len_extra=extra), return_scores=True)
     # the hypotheses that ended in </s>, shorter than the bound (the source's words, its </s>, extra)
     ended = [
         (source, text, score)

@@ -51,16 +51,21 @@ def test_sampling_with_top_k_one_is_greedy():
 
 def test_seeded_sampling_is_reproducible_and_the_seed_matters(model_file):
     translator = Translator.load(model_file, device="cpu")
-    draw = lambda seed: translator.translate(SRC_LINES * 3, sample=True, seed=seed, max_len_extra=4)  # noqa: E731
+
+    def draw(seed: int) -> list[str]:
+        return translator.translate(SRC_LINES * 3, translator.search(sample=True, seed=seed, max_len_extra=4))
+
     first = draw(1)
     assert draw(1) == first
     assert draw(2) != first
-    assert first != translator.translate(SRC_LINES * 3, beam=1, max_len_extra=4)  # not greedy in disguise
+    greedy_search = translator.search(beam=1, max_len_extra=4)
+    assert first != translator.translate(SRC_LINES * 3, greedy_search)  # not greedy in disguise
 
 
 def test_nbest_samples_come_sorted_by_score(model_file):
     translator = Translator.load(model_file, device="cpu")
-    lists = translator.translate(SRC_LINES, sample=True, nbest=4, return_scores=True, seed=3, max_len_extra=4)
+    sampling = translator.search(sample=True, nbest=4, seed=3, max_len_extra=4)
+    lists = translator.translate(SRC_LINES, sampling, return_scores=True)
     assert all(len(hyps) == 4 for hyps in lists)
     for hyps in lists:
         scores = [s for _, s in hyps]

@@ -65,7 +65,7 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
 
     from transformer.data.tokenize import tokenize_corpus
     from transformer.data.vocab import build_vocabs
-    from transformer.decoding.translate import Translator
+    from transformer.decoding.translate import Search, Translator
     from transformer.training.train import train
 
     raw = tmp_path / "raw"
@@ -102,8 +102,8 @@ def test_copy_task_learns_exact_copies_in_a_few_hundred_updates(tmp_path):
     checkpoints.save(tmp_path / "model.pt", checkpoints.average_checkpoints(tmp_path / "ckpt", 3))
     translator = Translator(tmp_path / "model.pt", device="cpu")
     sources = (tmp_path / "tok" / "val.de").read_text().splitlines()
-    search = {"beam": 1, "alpha": 0.6, "max_len_extra": 50, "batch_tokens": 6000}
-    assert translator.translate_tokenized(sources, **search) == (raw / "val.en").read_text().splitlines()
+    search = Search(beam=1, alpha=0.6, max_len_extra=50, batch_tokens=6000)
+    assert translator.translate_tokenized(sources, search) == (raw / "val.en").read_text().splitlines()
 
 
 def test_training_writes_checkpoints_reports_and_keeps_the_last_k(tmp_path, vocab_dir):
@@ -696,7 +696,7 @@ def test_patience_is_spent_after_that_many_validations_without_a_higher_bleu(ble
 
 
 def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tmp_path, vocab_dir):
-    from transformer.decoding.translate import Translator
+    from transformer.decoding.translate import Search, Translator
     from transformer.evaluation.score import score_lines
     from transformer.io import read_lines
 
@@ -706,9 +706,8 @@ def test_val_bleu_equals_the_decode_stages_greedy_bleu_of_the_same_checkpoint(tm
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
     last = checkpoints.listed(tmp_path / "ckpt")[-1]
     sources = read_lines(vocab_dir.parent / "tok" / "val.de")
-    hyps = Translator(last, device="cpu").translate_tokenized(
-        sources, beam=1, alpha=0.0, max_len_extra=20, batch_tokens=150
-    )
+    greedy = Search(beam=1, alpha=0.0, max_len_extra=20, batch_tokens=150)  # as validation searches
+    hyps = Translator(last, device="cpu").translate_tokenized(sources, greedy)
     expected = score_lines(hyps, read_lines(vocab_dir.parent / "toy" / "val.en"), "en", ("bleu",))["bleu"]
     assert rows[-1]["val_bleu"] == pytest.approx(expected, abs=1e-4) and expected > rows[0]["val_bleu"]
     assert json.loads((tmp_path / "reports" / "train.json").read_text())["val_bleu"] == pytest.approx(expected)

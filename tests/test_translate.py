@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -14,7 +15,7 @@ from conftest import ROOT, tiny_model_file
 from transformer import checkpoints
 from transformer.config import load_params
 from transformer.data.vocab import BOS, EOS, SPECIALS, WordVocab
-from transformer.decoding.translate import Translator, timed_translate
+from transformer.decoding.translate import Search, Translator, timed_translate
 from transformer.io import DataError
 from transformer.model.model import make_model
 
@@ -26,9 +27,9 @@ def word_vocabs() -> tuple[WordVocab, WordVocab]:
     return WordVocab.build(SRC_LINES, min_freq=1), WordVocab.build(TGT_LINES, min_freq=1)
 
 
-def _search(**overrides) -> dict:
-    """Decoding settings (translate_tokenized has no defaults of its own), with `overrides`."""
-    return {"beam": 2, "alpha": 0.6, "max_len_extra": 3, "batch_tokens": 6000} | overrides
+def _search(**overrides) -> Search:
+    """A search of the tests' own, not the model file's decode params, with `overrides`."""
+    return Search(**{"beam": 2, "alpha": 0.6, "max_len_extra": 3, "batch_tokens": 6000} | overrides)
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +78,25 @@ def test_translator_rebuilds_the_saved_model(translator, model_file):
 
 def test_translations_keep_line_count_and_order(translator):
     lines = SRC_LINES + ["Hund Hund Hund Hund Hund Hund", "ein"]
-    batched = translator.translate_tokenized(lines, **_search(batch_tokens=8))  # several batches
-    alone = [translator.translate_tokenized([line], **_search())[0] for line in lines]
+    batched = translator.translate_tokenized(lines, _search(batch_tokens=8))  # several batches
+    alone = [translator.translate_tokenized([line], _search())[0] for line in lines]
     assert len(batched) == len(lines)
     assert batched == alone
     assert len(set(batched)) > 1  # distinct inputs, distinct outputs: a shuffle would show
 
 
 def test_empty_input_line_gives_an_empty_output_line(translator):
-    out = translator.translate_tokenized(["ein Hund", "", "   ", "eine Frau"], **_search(beam=2, max_len_extra=3))
+    out = translator.translate_tokenized(["ein Hund", "", "   ", "eine Frau"], _search(beam=2, max_len_extra=3))
     assert len(out) == 4
     assert out[1] == "" and out[2] == ""
-    assert out[0] == translator.translate_tokenized(["ein Hund"], **_search(beam=2, max_len_extra=3))[0]
+    assert out[0] == translator.translate_tokenized(["ein Hund"], _search(beam=2, max_len_extra=3))[0]
 
 
 @pytest.mark.parametrize("beam", [1, 2])
 @pytest.mark.parametrize("extra", [0, 1, 7])
 def test_a_translation_that_never_ends_stops_at_source_length_plus_extra(never_ending_translator, beam, extra):
     out = never_ending_translator.translate_tokenized(
-        ["ein Hund", "eine Frau liest"], **_search(beam=beam, max_len_extra=extra)
+        ["ein Hund", "eine Frau liest"], _search(beam=beam, max_len_extra=extra)
     )
     assert [len(line.split()) for line in out] == [2 + 1 + extra, 3 + 1 + extra]  # its words and </s>, plus extra
 
@@ -103,21 +104,21 @@ def test_a_translation_that_never_ends_stops_at_source_length_plus_extra(never_e
 def test_outputs_contain_only_target_words(translator):
     _, tgt = word_vocabs()
     words = set(tgt.itos[4:])
-    out = translator.translate_tokenized(SRC_LINES, **_search(beam=3, max_len_extra=4))
+    out = translator.translate_tokenized(SRC_LINES, _search(beam=3, max_len_extra=4))
     assert sum(len(line.split()) for line in out) > 0, "an empty output proves nothing"
     for line in out:
         assert set(line.split()) <= words, line
 
 
 def test_raw_text_is_tokenized_with_the_source_language(translator):
-    raw = translator.translate(["ein Hund läuft."], **_search(beam=2, max_len_extra=3))
-    assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], **_search(beam=2, max_len_extra=3))
+    raw = translator.translate(["ein Hund läuft."], _search(beam=2, max_len_extra=3))
+    assert raw == translator.translate_tokenized(["ein Hund läuft \uffed."], _search(beam=2, max_len_extra=3))
 
 
 def test_timed_translate_reports_the_time_it_took_and_the_rates(never_ending_translator):
     lines = SRC_LINES * 4
     start = time.perf_counter()
-    out, speed = timed_translate(never_ending_translator, lines, **_search(max_len_extra=50, batch_tokens=8))
+    out, speed = timed_translate(never_ending_translator, lines, _search(max_len_extra=50, batch_tokens=8))
     wall = time.perf_counter() - start
     tokens = sum(len(line.split()) + 1 for line in out)  # each translation's tokens and its </s>
     assert len(out) == len(lines) and wall > 0.1  # one sentence a batch: long enough for 0.01 s to tell
@@ -142,7 +143,25 @@ def test_timed_translate_reports_the_time_it_took_and_the_rates(never_ending_tra
 def test_out_of_range_search_arguments_are_value_errors_naming_them(translator, argument):
     ((name, value),) = argument.items()
     with pytest.raises(ValueError, match=f"^{name} = {value} must be"):
-        translator.translate(["ein Hund"], **argument)
+        translator.search(**argument)
+    with pytest.raises(ValueError, match=f"^{name} = {value} must be"):
+        _search(**argument)
+
+
+def test_a_search_is_made_of_a_decode_section_with_changes_to_any_field(translator):
+    decode = load_params(ROOT / "params.yaml").decode
+    assert Search.of(decode) == Search.of(dataclasses.asdict(decode))  # params.yaml's, or a model file's dict
+    assert Search.of(decode, beam=1) == Search(1, decode.alpha, decode.max_len_extra, decode.batch_tokens)
+    model = translator.params["decode"]
+    assert translator.search(nbest=2) == Search(
+        model["beam"], model["alpha"], model["max_len_extra"], model["batch_tokens"], nbest=2
+    )
+
+
+def test_more_hypotheses_than_the_beam_are_refused_but_any_number_of_draws_is_not():
+    with pytest.raises(ValueError, match=r"^nbest = 3 exceeds the beam size \(2\)$"):
+        _search(nbest=3)
+    assert _search(sample=True, nbest=3).rows == 3  # a decoder row a draw, whatever the beam
 
 
 def test_a_timeout_stops_decoding_at_its_first_step_after_it(never_ending_translator, monkeypatch):
@@ -155,7 +174,7 @@ def test_a_timeout_stops_decoding_at_its_first_step_after_it(never_ending_transl
 
     monkeypatch.setattr(never_ending_translator.model, "step", slow_step)
     with pytest.raises(TimeoutError, match="translation stopped after 0.2 s"):
-        never_ending_translator.translate(["ein Hund"], beam=1, max_len_extra=50, timeout=0.2)
+        never_ending_translator.translate(["ein Hund"], _search(beam=1, max_len_extra=50), timeout=0.2)
     assert len(steps) <= 5  # 0.2 s of 0.05 s steps, where the translation takes 2 + 1 + 50
 
 
@@ -206,7 +225,7 @@ def test_a_file_ensembled_with_itself_translates_as_the_file(model_file):
     alone = Translator(model_file, device="cpu")
     twice = Translator([model_file, model_file], device="cpu")
     assert isinstance(twice.model, Ensemble) and len(twice.model.models) == 2
-    found, expected = (t.translate(SRC_LINES, return_scores=True, beam=3) for t in (twice, alone))
+    found, expected = (t.translate(SRC_LINES, t.search(beam=3), return_scores=True) for t in (twice, alone))
     assert [text for text, _ in found] == [text for text, _ in expected]
     assert [score for _, score in found] == pytest.approx([score for _, score in expected], abs=1e-4)
 
@@ -298,18 +317,16 @@ def test_cli_empty_blank_emoji_and_cjk_lines_keep_their_places(model_file, tmp_p
     out = result.stdout.split("\n")
     assert len(out) == 6 and out[-1] == "" and out[1] == out[2] == ""
     assert out[0] != ""  # the model's own words: an untrained model may end at once on unknown ones
-    assert out[:5] == Translator(model_file, device="cpu").translate(
-        ["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], beam=2
-    )
+    translator = Translator(model_file, device="cpu")
+    assert out[:5] == translator.translate(["ein Hund", "", "", "🐕 läuft 🐈", "狗在跑"], translator.search(beam=2))
 
 
 def test_cli_model_given_twice_translates_as_an_ensemble(model_file, tmp_path):
     other = _other_model_file(model_file, tmp_path / "other.pt")
     result = _cli(model_file, "--model", str(other), input="ein Hund\nzwei Männer\n")
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == Translator([model_file, other], device="cpu").translate(
-        ["ein Hund", "zwei Männer"], beam=2
-    )
+    ensemble = Translator([model_file, other], device="cpu")
+    assert result.stdout.splitlines() == ensemble.translate(["ein Hund", "zwei Männer"], ensemble.search(beam=2))
 
 
 def test_cli_long_source_is_bounded_and_warned_about(model_file, never_ending_file):
@@ -325,7 +342,8 @@ def test_cli_long_source_is_bounded_and_warned_about(model_file, never_ending_fi
     # ... where a source of the training's longest length runs unbounded and unwarned
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Translator(model_file, device="cpu").translate([" ".join(["Hund"] * longest)], beam=1, max_len_extra=0)
+        translator = Translator(model_file, device="cpu")
+        translator.translate([" ".join(["Hund"] * longest)], translator.search(beam=1, max_len_extra=0))
 
 
 def test_importing_the_package_stays_light_and_translator_loads_on_first_use():

@@ -97,18 +97,19 @@ def translate(
     translator = Translator.load(model_paths)
     if not sample and nbest > (beam or translator.params["decode"]["beam"]):
         raise click.BadParameter(f"{nbest} exceeds the beam size; raise --beam", param_hint="--nbest")
-    search = {
-        "beam": beam,
-        "alpha": alpha,
-        "sample": sample,
-        "top_k": top_k,
-        "top_p": top_p,
-        "temperature": temperature,
-        "seed": seed,
-    }
+    given = {"beam": beam, "alpha": alpha}  # an option left out keeps the model's decode param
+    search = translator.search(
+        **{name: value for name, value in given.items() if value is not None},
+        nbest=nbest,
+        sample=sample,
+        top_k=top_k,
+        top_p=top_p,
+        temperature=temperature,
+        seed=seed,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = translator.translate(lines, nbest=nbest, return_scores=True, **search)
+        found = translator.translate(lines, search, return_scores=True)
     for w in caught:
         if issubclass(w.category, LongSourceWarning):
             click.echo(f"warning: {name}: {w.message}", err=True)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from transformer.config import DecodeConfig
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, fingerprint, model_vocabs
 from transformer.decoding.search import Ensemble, Hypothesis, beam_search_nbest, forced
@@ -42,6 +45,64 @@ class Scored:
     tokens: int
 
 
+@dataclass(frozen=True)
+class Search:
+    """How translations are searched for: the decode params (a params file's `decode` section) and
+    what a caller may add, n-best lists and sampling. It is checked as it is made, where the settings
+    come in (the decode params, the command line's options, a Python call), so the code that searches
+    with it trusts every value. `Translator.search` makes one from the model's own decode params."""
+
+    beam: int
+    """The beam size (§6.1: 4); 1 is greedy search."""
+    alpha: float
+    """The length penalty's α: beam search ranks a hypothesis by log P / ((5 + length) / 6)^α (§6.1: 0.6)."""
+    max_len_extra: int
+    """A translation is at most its source's length plus this many tokens (§6.1: 50)."""
+    batch_tokens: int
+    """Source tokens times decoder rows per sentence (the beam, or the draws) in one batch: it bounds memory."""
+    nbest: int = 1
+    """The translations returned for each sentence, best first: at most the beam, or with sampling the draws."""
+    sample: bool = False
+    """Whether translations are drawn from the model's distribution instead of searched for (the beam unused)."""
+    top_k: int = 0
+    """Sampling draws from the k most probable next tokens; 0 keeps them all."""
+    top_p: float = 1.0
+    """Sampling draws from the smallest set of next tokens holding this much probability; 1.0 keeps them all."""
+    temperature: float = 1.0
+    """Sampling divides the log-probabilities by it: below 1 sharpens the distribution, above 1 flattens it."""
+    seed: int | None = None
+    """Sampling's random seed: the same lines, seed and batch_tokens draw the same translations."""
+
+    def __post_init__(self) -> None:
+        """A ValueError naming the first field out of range, as the command line's options refuse it."""
+        checks = [
+            (self.beam >= 1, f"beam = {self.beam} must be >= 1"),
+            (self.alpha >= 0, f"alpha = {self.alpha} must be >= 0"),
+            (self.nbest >= 1, f"nbest = {self.nbest} must be >= 1"),
+            (self.sample or self.nbest <= self.beam, f"nbest = {self.nbest} exceeds the beam size ({self.beam})"),
+            (self.top_k >= 0, f"top_k = {self.top_k} must be >= 0 (0: no cut)"),
+            (0 < self.top_p <= 1, f"top_p = {self.top_p} must be in (0, 1]"),
+            (self.temperature > 0, f"temperature = {self.temperature} must be > 0"),
+            (self.max_len_extra >= 0, f"max_len_extra = {self.max_len_extra} must be >= 0"),
+            (self.batch_tokens >= 1, f"batch_tokens = {self.batch_tokens} must be >= 1"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(why)
+
+    @classmethod
+    def of(cls, decode: DecodeConfig | Mapping[str, Any], **changes: Any) -> Search:
+        """The search a `decode` section describes, params.yaml's (a DecodeConfig) or a model file's (a
+        dict), with `changes` to any of the fields: `Search.of(decode, beam=1)` is its greedy search."""
+        values = decode if isinstance(decode, Mapping) else dataclasses.asdict(decode)
+        return cls(**{name: values[name] for name in ("beam", "alpha", "max_len_extra", "batch_tokens")} | changes)
+
+    @property
+    def rows(self) -> int:
+        """The decoder rows a sentence takes in a batch: a row for each hypothesis of the beam, or for each draw."""
+        return self.nbest if self.sample else self.beam
+
+
 class LongSourceWarning(UserWarning):
     """A source line longer than any the model was trained on: its translation is bounded shorter."""
 
@@ -50,7 +111,7 @@ class Translator:
     """Translates with one model file, or with several as an ensemble (their next-token probabilities
     averaged at every step of the search): checkpoints of one run, or runs trained on one vocabulary.
     A file of train.members > 1 is an ensemble by itself; its members join those of the other files.
-    The first file's params give the tokenizer and the default decoding."""
+    The first file's params give the tokenizer and the default search."""
 
     def __init__(self, model_path: Path | str | Sequence[Path | str], device: str | None = None):
         paths = [Path(model_path)] if isinstance(model_path, (str, Path)) else [Path(p) for p in model_path]
@@ -84,17 +145,28 @@ class Translator:
         several such files, ready to translate."""
         return cls(model_path, device)
 
-    def translate(self, raw_lines: list[str], *, nbest: int = 1, return_scores: bool = False, **search) -> list:
-        """Raw text in, raw text out. With nbest > 1, a list of hypotheses (best first) per line; with
-        return_scores, (text, score) pairs, score = log P(text | line) (see Translation). `search`:
-        beam, alpha, max_len_extra, batch_tokens (default: the model's decode params), sample,
-        top_k, top_p, temperature, seed (see hypotheses), progress, timeout."""
-        tokenized = self.tokenize(raw_lines)
-        if nbest == 1 and not return_scores and not search.get("sample"):
-            return self.translate_tokenized(tokenized, **search)
-        found = self.hypotheses(tokenized, nbest=nbest, **search)
+    def search(self, **changes: Any) -> Search:
+        """The search the model's decode params describe (the first file's), with `changes` to any of
+        Search's fields: `search(beam=1)` is greedy. A value out of range is a ValueError naming it."""
+        return Search.of(self.params["decode"], **changes)
+
+    def translate(
+        self,
+        raw_lines: list[str],
+        search: Search | None = None,
+        *,
+        return_scores: bool = False,
+        progress: bool = False,
+        timeout: float | None = None,
+    ) -> list:
+        """Raw text in, raw text out. Each line's translation, or with search.nbest > 1 a list of them,
+        best first; with return_scores, (text, score) pairs, score = log P(text | line) (see
+        Translation). The search defaults to the model's decode params; `progress` and `timeout`
+        are as hypotheses takes them."""
+        search = self.search() if search is None else search
+        found = self.hypotheses(self.tokenize(raw_lines), search, progress=progress, timeout=timeout)
         shaped = [[(h.text, h.score) if return_scores else h.text for h in hyps] for hyps in found]
-        return [hyps[0] for hyps in shaped] if nbest == 1 else shaped
+        return [hyps[0] for hyps in shaped] if search.nbest == 1 else shaped
 
     def tokenize(self, raw_lines: list[str]) -> list[str]:
         """Raw lines split into the words the source vocabulary encodes (see transformer.data.tokenize)."""
@@ -105,56 +177,23 @@ class Translator:
         """Built once: spaCy's rules take tens of milliseconds to load, more than a short request's search."""
         return Tokenizer(self.params["data"]["src_lang"])
 
-    def translate_tokenized(self, lines: list[str], **search) -> list[str]:
+    def translate_tokenized(
+        self, lines: list[str], search: Search | None = None, *, progress: bool = False, timeout: float | None = None
+    ) -> list[str]:
         """Detokenized translations of tokenized lines, in input order; an empty line gives an empty line."""
-        return [hyps[0].text for hyps in self.hypotheses(lines, **search)]
+        return [hyps[0].text for hyps in self.hypotheses(lines, search, progress=progress, timeout=timeout)]
 
     def hypotheses(
-        self,
-        lines: list[str],
-        beam: int | None = None,
-        alpha: float | None = None,
-        nbest: int = 1,
-        sample: bool = False,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        temperature: float = 1.0,
-        seed: int | None = None,
-        max_len_extra: int | None = None,
-        batch_tokens: int | None = None,
-        progress: bool = False,
-        timeout: float | None = None,
+        self, lines: list[str], search: Search | None = None, *, progress: bool = False, timeout: float | None = None
     ) -> list[list[Translation]]:
-        """The `nbest` best translations of each tokenized line, best first. Beam search (beam 1:
-        greedy) ranks by log P / lp(length); sampling (sample=True, beam unused) draws `nbest`
-        translations per line, from `seed` when given (same lines, seed and batch_tokens: same
-        draws), cut to top_k tokens / top_p of the mass at temperature, sorted by score. With
-        `timeout`, decoding stops with a TimeoutError at its first step after that many seconds."""
-        given = {"beam": beam, "alpha": alpha, "max_len_extra": max_len_extra, "batch_tokens": batch_tokens}
-        beam, alpha, max_len_extra, batch_tokens = (
-            self.params["decode"][k] if v is None else v for k, v in given.items()
-        )
-        _check_search(
-            beam=beam,
-            alpha=alpha,
-            nbest=nbest,
-            sample=sample,
-            top_k=top_k,
-            top_p=top_p,
-            temperature=temperature,
-            max_len_extra=max_len_extra,
-            batch_tokens=batch_tokens,
-        )
+        """The search.nbest best translations of each tokenized line, best first, searched as `search`
+        says (default: the model's decode params). Beam search ranks by log P / lp(length); sampling
+        draws its translations and sorts them by score. `progress` shows a progress bar on stderr.
+        With `timeout`, decoding stops with a TimeoutError at its first step after that many seconds,
+        so that a caller who has given up waiting does not keep the cores busy."""
+        search = self.search() if search is None else search
         model = self.model if timeout is None else _Timed(self.model, timeout)
-        if sample:
-            generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            run = functools.partial(
-                _sample, model, nbest=nbest, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            )
-        else:
-            run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=nbest)
-        rows = nbest if sample else beam  # decoder rows per sentence
-        return self._decode(lines, run, rows, max_len_extra, batch_tokens, progress)
+        return self._decode(lines, search, _searcher(model, search, self.device), progress)
 
     def score(self, sources: list[str], targets: list[str], batch_tokens: int | None = None) -> list[Scored]:
         """Forced decoding: each raw target's log-probability given its raw source, the score beam search
@@ -167,21 +206,19 @@ class Translator:
         found = forced_batches(self.model, src, tgt, batch_tokens or self.params["decode"]["batch_tokens"], self.device)
         return [Scored(log_prob, len(t) + 1) if s else Scored(0.0, 0) for s, t, log_prob in zip(src, tgt, found)]
 
-    def _decode(
-        self, lines: list[str], run, rows: int, max_len_extra: int, batch_tokens: int, progress: bool
-    ) -> list[list[Translation]]:
+    def _decode(self, lines: list[str], search: Search, run, progress: bool) -> list[list[Translation]]:
         from tqdm import tqdm
 
         encoded = _encoded(self.src_vocab, lines)
         bound = functools.partial(
-            _length_bound, max_len_extra=max_len_extra, longest=self.params["tokenize"]["max_len"]
+            _length_bound, max_len_extra=search.max_len_extra, longest=self.params["tokenize"]["max_len"]
         )
         limits = [bound(line, len(ids), index=i) for i, (line, ids) in enumerate(zip(lines, encoded))]
         out = [[Translation("", 0.0)] for _ in lines]
         bar = tqdm(
             total=sum(1 for e in encoded if e), unit="sent", disable=not progress, file=sys.stderr, mininterval=1
         )
-        for batch, found in batched_search(encoded, limits, rows, batch_tokens, self.device, run):
+        for batch, found in batched_search(encoded, limits, search, self.device, run):
             for i, hyps in zip(batch, found):
                 out[i] = [Translation(to_text(self.tgt_vocab, h.tokens), h.log_prob) for h in hyps]
                 self.tokens_out += len(hyps[0].tokens) + 1  # + </s>
@@ -230,9 +267,35 @@ def forced_batches(
     return out
 
 
-def _sample(model, src: torch.Tensor, max_len: torch.Tensor, nbest: int, **how) -> list[list[Hypothesis]]:
+def _searcher(model, search: Search, device: torch.device) -> Callable[..., list[list[Hypothesis]]]:
+    """The search `search` describes as one function of a batch, (src, max_len) -> each sentence's
+    hypotheses, best first. Sampling's generator is made here, once for all the batches, so that a
+    seed gives the same draws however the sentences are batched."""
+    if not search.sample:
+        return functools.partial(
+            beam_search_nbest, model, beam=search.beam, alpha=search.alpha, bos=BOS, eos=EOS, nbest=search.nbest
+        )
+    generator = None if search.seed is None else torch.Generator(device).manual_seed(search.seed)
+    return functools.partial(_sample, model, search=search, generator=generator)
+
+
+def _sample(
+    model, src: torch.Tensor, max_len: torch.Tensor, *, search: Search, generator: torch.Generator | None
+) -> list[list[Hypothesis]]:
+    """search.nbest draws of each sentence, most probable first."""
+    nbest = search.nbest
     rows = torch.arange(src.size(0), device=src.device).repeat_interleave(nbest)  # nbest draws per sentence
-    drawn = draw_samples(model, src[rows], max_len[rows], BOS, EOS, **how)
+    drawn = draw_samples(
+        model,
+        src[rows],
+        max_len[rows],
+        BOS,
+        EOS,
+        temperature=search.temperature,
+        top_k=search.top_k,
+        top_p=search.top_p,
+        generator=generator,
+    )
     return [sorted(drawn[i : i + nbest], key=lambda h: -h.log_prob) for i in range(0, len(drawn), nbest)]
 
 
@@ -243,8 +306,8 @@ class _Timed:
     def __init__(self, model, seconds: float):
         self.model, self.seconds, self.until = model, seconds, time.monotonic() + seconds
 
-    def start(self, src: torch.Tensor, **how):
-        return self.model.start(src, **how)
+    def start(self, src: torch.Tensor, beam: int = 1):
+        return self.model.start(src, beam=beam)
 
     def step(self, state, last: torch.Tensor) -> torch.Tensor:
         if time.monotonic() > self.until:
@@ -252,49 +315,13 @@ class _Timed:
         return self.model.step(state, last)
 
 
-def _check_search(
-    *,
-    beam: int,
-    alpha: float,
-    nbest: int,
-    sample: bool,
-    top_k: int,
-    top_p: float,
-    temperature: float,
-    max_len_extra: int,
-    batch_tokens: int,
-) -> None:
-    """ValueError naming the argument a caller got wrong (the CLI's option types check the same ranges)."""
-    checks = [
-        (beam >= 1, f"beam = {beam} must be >= 1"),
-        (alpha >= 0, f"alpha = {alpha} must be >= 0"),
-        (nbest >= 1, f"nbest = {nbest} must be >= 1"),
-        (sample or nbest <= beam, f"nbest = {nbest} exceeds the beam size ({beam})"),
-        (top_k >= 0, f"top_k = {top_k} must be >= 0 (0: no cut)"),
-        (0 < top_p <= 1, f"top_p = {top_p} must be in (0, 1]"),
-        (temperature > 0, f"temperature = {temperature} must be > 0"),
-        (max_len_extra >= 0, f"max_len_extra = {max_len_extra} must be >= 0"),
-        (batch_tokens >= 1, f"batch_tokens = {batch_tokens} must be >= 1"),
-    ]
-    for ok, why in checks:
-        if not ok:
-            raise ValueError(why)
-
-
 def search_batches(
-    model,
-    encoded: list[list[int]],
-    beam: int,
-    alpha: float,
-    max_len_extra: int,
-    batch_tokens: int,
-    device: torch.device,
+    model, encoded: list[list[int]], search: Search, device: torch.device
 ) -> Iterator[tuple[list[int], list[list[int]]]]:
     """(sentence indices, best output ids) batch by batch, shortest sources first; each source ends in
     `</s>`; empty sources are skipped. Validation during training uses it, as the decode stage searches."""
-    limits = [len(ids) + max_len_extra for ids in encoded]
-    run = functools.partial(beam_search_nbest, model, beam=beam, alpha=alpha, bos=BOS, eos=EOS, nbest=1)
-    for batch, found in batched_search(encoded, limits, beam, batch_tokens, device, run):
+    limits = [len(ids) + search.max_len_extra for ids in encoded]
+    for batch, found in batched_search(encoded, limits, search, device, _searcher(model, search, device)):
         yield batch, [hyps[0].tokens for hyps in found]
 
 
@@ -304,12 +331,13 @@ def to_text(tgt_vocab, ids: list[int]) -> str:
 
 
 def batched_search(
-    encoded: list[list[int]], limits: list[int], rows: int, batch_tokens: int, device: torch.device, run
+    encoded: list[list[int]], limits: list[int], search: Search, device: torch.device, run
 ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
-    """`run`'s hypotheses for the non-empty sources, in batches of about batch_tokens decoder tokens
-    (`rows` decoder rows per sentence), shortest sources first."""
+    """`run`'s hypotheses for the non-empty sources, shortest sources first, in batches of about
+    search.batch_tokens decoder tokens (search.rows decoder rows a sentence); `limits` holds each
+    sentence's longest translation."""
     order = sorted((i for i, e in enumerate(encoded) if e), key=lambda i: len(encoded[i]))
-    for batch in _batches(order, encoded, max(1, batch_tokens // rows)):
+    for batch in _batches(order, encoded, max(1, search.batch_tokens // search.rows)):
         max_len = torch.tensor([limits[i] for i in batch], device=device)
         yield batch, run(src=_padded(encoded, batch, device), max_len=max_len)
 
@@ -331,10 +359,14 @@ def _batches(order: list[int], encoded: list[list[int]], max_tokens: int) -> lis
     return batches + ([current] if current else [])
 
 
-def timed_translate(translator: Translator, lines: list[str], **search) -> tuple[list[str], dict[str, float]]:
+def timed_translate(
+    translator: Translator, lines: list[str], search: Search, *, progress: bool = False
+) -> tuple[list[str], dict[str, float]]:
+    """The translations of tokenized lines, and how fast they came: seconds, sentences and target
+    tokens (each translation's `</s>` included) per second."""
     translator.tokens_out = 0
     start = time.perf_counter()
-    out = translator.translate_tokenized(lines, **search)
+    out = translator.translate_tokenized(lines, search, progress=progress)
     seconds = time.perf_counter() - start
     return out, {
         "seconds": round(seconds, 2),

@@ -12,6 +12,7 @@ import numpy as np
 from transformer import checkpoints
 from transformer.config import CHOICES
 from transformer.data.vocab import BpeVocab, Vocab, vocab_from_state
+from transformer.decoding.translate import Search
 from transformer.errors import DataError
 from transformer.io import atomic_dir
 from transformer.model.embeddings import PositionalEncoding
@@ -112,17 +113,14 @@ def load_ctranslate2(model_dir: Path, threads: int = 1):
 
 
 def ctranslate2_translate(
-    translator,
-    src_vocab: Vocab,
-    tgt_vocab: Vocab,
-    lines: list[str],
-    beam: int,
-    alpha: float,
-    max_len_extra: int,
-    batch_tokens: int = 0,
+    translator, src_vocab: Vocab, tgt_vocab: Vocab, lines: list[str], search: Search
 ) -> list[list[int]]:
-    """Target ids CTranslate2 decodes for tokenized lines, at most the longest source + max_len_extra
-    (one bound for all, where ours bounds each sentence), batched by `batch_tokens` source tokens."""
+    """Target ids CTranslate2 decodes for tokenized lines by the beam search `search` describes (a
+    Translator's `search()` gives the model's), batched by source length as ours batches. A
+    translation is at most the longest source's length + search.max_len_extra: CTranslate2 takes
+    one bound for a batch, where ours bounds each sentence. Sampling and n-best lists are ours alone."""
+    if search.sample or search.nbest > 1:
+        raise ValueError("CTranslate2 translates here by beam search, one translation a line")
     stoi = {t: i for i, t in enumerate(tokens(tgt_vocab))}
     batch = [source_tokens(src_vocab, line) for line in lines]
     out = [[] for _ in lines]
@@ -131,12 +129,12 @@ def ctranslate2_translate(
         live,
         translator.translate_batch(
             [batch[i] for i in live],
-            beam_size=beam,
-            length_penalty=alpha,
+            beam_size=search.beam,
+            length_penalty=search.alpha,
             min_decoding_length=0,
-            max_batch_size=batch_tokens,
-            batch_type="tokens",  # 0: one batch
-            max_decoding_length=max(len(batch[i]) for i in live) + max_len_extra if live else 1,
+            max_batch_size=max(1, search.batch_tokens // search.beam),
+            batch_type="tokens",
+            max_decoding_length=max(len(batch[i]) for i in live) + search.max_len_extra if live else 1,
         ),
     ):
         out[i] = [stoi[t] for t in result.hypotheses[0]]

@@ -47,8 +47,8 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
-        decode = self.translator.params["decode"]
-        window, max_tokens, threads = _batching(default_tokens=decode["batch_tokens"] // decode["beam"])
+        self.search = self.translator.search()  # the model's decode params, checked once, at loading
+        window, max_tokens, threads = _batching(default_tokens=self.search.batch_tokens // self.search.beam)
         if threads:
             import torch
 
@@ -56,7 +56,7 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         self.batcher = Batcher(self._translate, window=window, max_tokens=max_tokens)
 
     def _translate(self, lines: list[str], timeout: float) -> list[str]:
-        return self.translator.translate_tokenized(lines, timeout=timeout)
+        return self.translator.translate_tokenized(lines, self.search, timeout=timeout)
 
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         """MLflow reads the signature from these type hints and refuses other input with a 400. The

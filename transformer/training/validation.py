@@ -15,7 +15,7 @@ from torch import nn
 from transformer.config import Params
 from transformer.data.batching import ParallelCorpus, token_batches
 from transformer.data.vocab import EOS, Vocab
-from transformer.decoding.translate import search_batches, to_text
+from transformer.decoding.translate import Search, search_batches, to_text
 from transformer.evaluation.score import score_lines
 from transformer.training.distributed import Dist
 from transformer.training.loss import Loss
@@ -76,8 +76,8 @@ class Validation:
         encoded = [v.src[v.src_off[i] : v.src_off[i + 1]].tolist() for i in range(len(v))]
         encoded = [ids + [EOS] if ids else [] for ids in encoded]
         hyps = [""] * len(v)
-        search = {"beam": 1, "alpha": 0.0, "max_len_extra": d.max_len_extra, "batch_tokens": d.batch_tokens}
-        for batch, outputs in search_batches(self.model, encoded, device=self.env.device, **search):
+        greedy = Search.of(d, beam=1, alpha=0.0)
+        for batch, outputs in search_batches(self.model, encoded, greedy, self.env.device):
             for i, ids in zip(batch, outputs):
                 hyps[i] = to_text(self.data.tgt_vocab, ids)
         return score_lines(hyps, self.data.references, self.params.data.tgt_lang, ("bleu",))["bleu"]

@@ -1,5 +1,5 @@
 """A training run's record: its clock, the losses of its updates (checked at each host sync), its
-validations, the checkpoints and reports written from them and its MLflow run. Rank 0 keeps the
+validations, the reports written from them and its MLflow run. Rank 0 keeps the
 record; this module is where that is decided: on every other rank its writes do nothing."""
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.amp import GradScaler
-from torch.optim import Optimizer
 
 from transformer import checkpoints
 from transformer.config import TRAIN_SECTIONS, Params, flatten
 from transformer.errors import TrainingError
 from transformer.io import write_json, write_text
 from transformer.kernels.memory import allocator, kernel_cache
-from transformer.training.distributed import Dist, rank_seed, restarts
+from transformer.training.distributed import Dist, restarts
 from transformer.training.resume import Progress, noting_opened_run, opened_run
 
 
@@ -103,8 +100,8 @@ class Stepped:
 
 
 class RunRecord:
-    """What a run leaves besides its weights in memory. Every rank keeps the clock and checks its
-    own losses; rank 0 alone keeps the history, writes checkpoints and reports, and logs to MLflow."""
+    """What a run leaves besides its checkpoints. Every rank keeps the clock and checks its own
+    losses; rank 0 alone keeps the history, writes the reports and logs to MLflow."""
 
     def __init__(self, params: Params, env: Dist, out, progress: Progress, clock: Clock, meta: dict[str, Any]):
         self.params, self.env, self.out, self.progress, self.clock = params, env, out, progress, clock
@@ -212,24 +209,19 @@ class RunRecord:
         best = max(bleus(self.progress.epochs))
         self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
 
+    def wall_s(self) -> float:
+        """The run's wall time so far, over every invocation, which a checkpoint carries so that the
+        next invocation's clock goes on from it."""
+        return self.clock.wall_s()
+
     @rank0
-    def save(self, model: nn.Module, optimizer: Optimizer, rng: list[dict], stopped: bool, scaler: GradScaler) -> None:
-        """A checkpoint of the run so far (every rank's generators, `rng`; fp16's gradient scaler,
-        `scaler`, where enabled), the old ones pruned, and the reports; weights that became non-finite
-        stop the run instead."""
-        pr = self.progress
-        _check_finite(model, pr, self.out.checkpoints)
-        path = checkpoints.path_for(self.out.checkpoints, pr.step)
-        pr.wall_s = self.clock.wall_s()
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        if scaler.is_enabled():  # other checkpoints hold none, as those written before fp16
-            state["scaler"] = scaler.state_dict()
-        checkpoints.save(path, state | _run_state(self.params, self.env, pr, rng) | self.meta)
-        a = self.params.average  # with select best, its candidates stay until better ones replace them
-        best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
-        checkpoints.prune(self.out.checkpoints, self.params.train.keep, best)
+    def saved(self, stopped: bool) -> None:
+        """Follows a checkpoint: every rank's memory peak goes to MLflow at the checkpoint's step, and
+        the reports are rewritten, so that they never lag the newest checkpoint."""
         if self.tracker:
-            self.tracker.log_metrics({f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(self.peaks)}, pr.step)
+            self.tracker.log_metrics(
+                {f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(self.peaks)}, self.progress.step
+            )
         self.report(stopped)
 
     def report(self, stopped: bool) -> dict[str, Any]:
@@ -251,33 +243,6 @@ class RunRecord:
         val_bleu = ("val_bleu",) if bleus(pr.epochs) else ()
         _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl") + val_bleu)
         write_json(self.out.summary, summary)
-
-
-def _check_finite(model: torch.nn.Module, pr: Progress, kept: Path) -> None:
-    """A finite loss was computed before the last update, which can still overflow the weights."""
-    broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
-    if broken:
-        raise TrainingError(
-            f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
-            f"the last good checkpoint in {kept} is kept. Lower train.factor or raise train.warmup."
-        )
-
-
-def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict[str, Any]:
-    """What a checkpoint holds of the run besides weights, optimizer and the run's constants."""
-    return {
-        "params": params.to_dict(),
-        "step": pr.step,
-        "epoch": pr.epoch,
-        "step_in_epoch": pr.step_in_epoch,
-        "train_time_s": pr.train_time_s,
-        "wall_s": pr.wall_s,
-        "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
-        "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
-        "history": {"steps": pr.steps, "epochs": pr.epochs},
-        "mlflow_run_id": pr.mlflow_run_id,
-        "skipped_updates": pr.skipped_updates,
-    }
 
 
 def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:

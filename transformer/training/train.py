@@ -1,8 +1,9 @@
 """Training (section 5): token batches, Adam with warmup, label smoothing, DDP, resumable.
 
 train() prepares each run (an ensemble's member) and hands it to a Trainer, which runs the epochs and
-updates; validation.Validation measures the validations and decides early stopping; record.RunRecord
-keeps the clock, the losses, checkpoints, reports and the MLflow run, rank 0's."""
+updates; validation.Validation measures the validations and decides early stopping;
+checkpointing.Checkpointer saves and prunes the checkpoints; record.RunRecord keeps the clock, the
+losses, the reports and the MLflow run, rank 0's."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file
 from transformer.kernels.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
 from transformer.model.model import make_model
+from transformer.training.checkpointing import Checkpointer
 from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
 from transformer.training.loss import batch_loss
 from transformer.training.precision import Precision
@@ -116,7 +118,17 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
     setup, progress, meta = _prepare(params, env, inputs, out)
     record = RunRecord(params, env, out, progress, Clock(started, progress.wall_s), meta)
     record.track(tracker_factory)
-    trainer = Trainer(setup, progress, record)
+    checkpointer = Checkpointer(
+        directory=out.checkpoints,
+        params=params,
+        env=env,
+        progress=progress,
+        meta=meta,
+        model=setup.model,
+        optimizer=setup.optimizer,
+        scaler=setup.precision.scaler,
+    )
+    trainer = Trainer(setup, progress, record, checkpointer)
     try:
         summary = trainer.run()
     except torch.cuda.OutOfMemoryError:
@@ -278,10 +290,10 @@ class Trainer:
     the summed micro-batch losses of every rank; a validation and a checkpoint at each epoch's end
     (and every train.eval_every updates), a checkpoint every train.save_every."""
 
-    def __init__(self, setup: Setup, progress: Progress, record: RunRecord):
+    def __init__(self, setup: Setup, progress: Progress, record: RunRecord, checkpointer: Checkpointer):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
         self.model, self.optimizer, self.split = setup.model, setup.optimizer, setup.split
-        self.progress, self.record = progress, record
+        self.progress, self.record, self.checkpointer = progress, record, checkpointer
         p = self.p
         step = StepLoss(self.model, p.label_smoothing, p.smoothing_zeroes_pad, p.rdrop_shared_encoder, p.rdrop_share)
         ddp = wrap_ddp(step, p.ddp_bf16_grads) if self.env.world > 1 else step
@@ -410,8 +422,5 @@ class Trainer:
 
     def _save(self) -> None:
         self.record.sync()  # never checkpoint weights whose losses were not checked
-        # Every rank's generators, so that each resumes its own dropout masks, and its memory peak.
-        ranks = gathered({"rng": checkpoints.rng_state(self.env.device), "peak": peak_rss_mb()}, self.env)
-        self.record.peaks = [r["peak"] for r in ranks]
-        rng = [r["rng"] for r in ranks]
-        self.record.save(self.model, self.optimizer, rng, self.stopped, scaler=self.precision.scaler)
+        self.record.peaks = self.checkpointer.save(self.record.wall_s())
+        self.record.saved(self.stopped)

@@ -1,9 +1,10 @@
 """Training (section 5): token batches, Adam with warmup, label smoothing, DDP, resumable.
 
 train() prepares each run (an ensemble's member) and hands it to a Trainer, which runs the epochs and
-updates; validation.Validation measures the validations and decides early stopping;
-checkpointing.Checkpointer saves and prunes the checkpoints; record.RunRecord keeps the clock, the
-losses, the reports and the MLflow run, rank 0's."""
+updates. The Trainer calls three parts, each of which keeps its own state: validation.Validation
+measures the validations and decides early stopping; checkpointing.Checkpointer saves and prunes the
+checkpoints; record.RunRecord keeps the clock, the losses, the reports and the MLflow run. Where only
+rank 0 acts, the part or the Trainer asks env.main."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from transformer.training.checkpointing import Checkpointer
 from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
 from transformer.training.loss import batch_loss
 from transformer.training.precision import Precision
-from transformer.training.record import Clock, RunRecord, Stepped, bleus, progress_bar, say
+from transformer.training.record import RunRecord, Stepped, bleus, progress_bar, say
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
 from transformer.training.validation import Validation, ValidationData
@@ -116,8 +117,8 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
     if env.device.type == "cpu":
         keep_freed_memory()
     setup, progress, meta = _prepare(params, env, inputs, out)
-    record = RunRecord(params, env, out, progress, Clock(started, progress.wall_s), meta)
-    record.track(tracker_factory)
+    record = RunRecord(params, env, out, progress, started)
+    record.track(tracker_factory, meta["identity"])
     checkpointer = Checkpointer(
         directory=out.checkpoints,
         params=params,
@@ -287,8 +288,9 @@ def compiled(step: nn.Module, backend: str = "inductor") -> nn.Module:
 
 class Trainer:
     """The epochs and updates of one run, each update the paper's Adam step at the schedule's rate on
-    the summed micro-batch losses of every rank; a validation and a checkpoint at each epoch's end
-    (and every train.eval_every updates), a checkpoint every train.save_every."""
+    the summed micro-batch losses of every rank. It decides when to validate (at each epoch's end, and
+    every train.eval_every updates) and when to checkpoint (after each validation, and every
+    train.save_every updates); the Validation, the Checkpointer and the RunRecord do the rest."""
 
     def __init__(self, setup: Setup, progress: Progress, record: RunRecord, checkpointer: Checkpointer):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
@@ -318,8 +320,7 @@ class Trainer:
         finished_here = self.validated_at == pr.step  # a rerun of a finished run adds nothing
         if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._validate_and_save(pr.epoch + 1)
-        self.record.peaks = gathered(peak_rss_mb(), self.env)
-        return self.record.report(self.stopped)
+        return self.record.report(self.stopped, gathered(peak_rss_mb(), self.env))
 
     def _plan(self) -> list[list[list[int]]]:
         """The epoch's updates, every rank's (_update takes this rank's share), and the run's length."""
@@ -345,9 +346,10 @@ class Trainer:
         start = time.perf_counter()
         corpus, fixed = self.split.epoch(self.progress.epoch), self.split.fixed
         grown = (len(corpus.src) + len(corpus.tgt)) / max(len(fixed.src) + len(fixed.tgt), 1)
-        self.record.say(
+        say(
+            self.env,
             f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
-            f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens"
+            f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens",
         )
         return corpus
 
@@ -357,7 +359,7 @@ class Trainer:
     def _epoch(self, groups: list[list[list[int]]]) -> None:
         pr, env = self.progress, self.env
         bar = progress_bar(env, len(groups), pr.step_in_epoch, f"epoch {pr.epoch + 1}/{self.p.epochs}")
-        self.record.clock.open_window()
+        self.record.restart_timing()
         left = groups[pr.step_in_epoch :]
         with Prefetch(self.corpus, left, env.rank, env.world, env.device, self.p.pad_multiple) as updates:
             for update in updates:
@@ -371,13 +373,13 @@ class Trainer:
     def _after_update(self, updates: int, bar) -> None:
         """The host sync every LOG_EVERY updates, and the validations and checkpoints the params ask for."""
         pr, p = self.progress, self.p
-        if len(self.record.pending) >= LOG_EVERY:
+        if self.record.unread() >= LOG_EVERY:
             bar.set_postfix(self.record.sync())
         if self.env.device.type == "cpu" and pr.step % RELEASE_EVERY == 0:
             release_freed_memory()
         if p.eval_every and pr.step % p.eval_every == 0 and pr.step_in_epoch < updates:
             self._validate_and_save(pr.epoch + pr.step_in_epoch / updates)  # the epoch's end validates anyway
-            self.record.clock.leave_out()  # training time leaves validation out, as at epoch ends
+            self.record.restart_timing()  # training time leaves validation out, as at epoch ends
         elif p.save_every and pr.step % p.save_every == 0:
             self._save()
 
@@ -410,17 +412,17 @@ class Trainer:
         return self.p.rdrop if self.progress.step >= self.p.rdrop_from * self.planned_updates else 0.0
 
     def _validate_and_save(self, epoch: float) -> None:
-        """A validation (rank 0's: loss, and BLEU with references), a checkpoint, then early stopping's verdict."""
+        """A validation, which rank 0 alone measures (the loss, and BLEU with references), then a
+        checkpoint, then early stopping's verdict, which every rank takes."""
         self.record.sync()
-        self.record.validated(epoch, self.validation.measure)
+        if self.env.main:
+            self.record.validated(epoch, self.validation.measure())
         self.validated_at = self.progress.step
         self._save()
         if self.p.patience:
             self.stopped = self.validation.stops(bleus(self.progress.epochs))
-            if self.stopped:
-                self.record.stopping_early(self.p.patience)
 
     def _save(self) -> None:
         self.record.sync()  # never checkpoint weights whose losses were not checked
-        self.record.peaks = self.checkpointer.save(self.record.wall_s())
-        self.record.saved(self.stopped)
+        peaks = self.checkpointer.save(self.record.wall_s())
+        self.record.saved(peaks, self.stopped)

@@ -1,10 +1,11 @@
 """A training run's record: its clock, the losses of its updates (checked at each host sync), the
 history of its updates and validations, the step and epoch reports and the summary written from that
-history, and its MLflow run. Every rank keeps the clock and checks its own losses; rank 0 alone keeps
-the history, writes and logs."""
+history, and the MLflow run it logs to (tracked_run opens and ends that). Every rank keeps the clock
+and checks its own losses; rank 0 alone keeps the history, writes and logs."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -89,41 +90,12 @@ class RunRecord:
     ask env.main where only rank 0 acts, except validated(), which only rank 0 calls, as it alone
     measures the validations."""
 
-    def __init__(self, params: Params, env: Dist, out, progress: Progress, started: float):
+    def __init__(self, params: Params, env: Dist, out, progress: Progress, started: float, tracker):
         self.params, self.env, self.out, self.progress = params, env, out, progress
         self._clock = Clock(started, progress.wall_s)
-        self._tracker = None  # rank 0's MLflow run, once track() has opened it
+        self._tracker = tracker  # rank 0's MLflow run (tracked_run), or None
         self._pending: list[Stepped] = []  # the updates whose losses are still on the device
         self._batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
-
-    def track(self, tracker_factory, identity: dict[str, Any]) -> None:
-        """Opens the run's MLflow run on rank 0: the checkpoint's where it continues one, or the run
-        that an invocation killed before its first checkpoint opened under the same `identity`."""
-        if not self.env.main or tracker_factory is None:
-            return
-        if not self.progress.step:  # a run killed before its first checkpoint may have opened its MLflow run
-            ckpts = self.out.checkpoints
-            self.progress.mlflow_run_id = opened_run(ckpts, identity)
-            tracker_factory = noting_opened_run(tracker_factory, ckpts, identity)
-        self._tracker = start_tracking(self.params, self.progress, tracker_factory)
-
-    def finish(self) -> None:
-        """Flushes the queued metrics and stops watching the system, so that the next member's run may open."""
-        if self._tracker:
-            self._tracker.end()
-
-    def fail(self) -> None:
-        if self._tracker:
-            self._tracker.end("FAILED")
-
-    def upload(self, vocab_dir: Path) -> None:
-        """Puts rank 0's files of a trained run in MLflow: the vocabulary and the final checkpoint."""
-        if self._tracker is None:
-            return
-        self._tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
-        final = checkpoints.listed(self.out.checkpoints)
-        if final:
-            self._tracker.log_artifact(final[-1], "checkpoints")
 
     def count_shapes(self, shapes: int) -> None:
         """Records the epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
@@ -248,6 +220,40 @@ def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
         "restarts": restarts(),  # by torchrun, in this invocation
         "skipped_updates": pr.skipped_updates,  # by fp16's gradient scaler, over the run
     }
+
+
+@contextlib.contextmanager
+def tracked_run(params: Params, env: Dist, progress: Progress, identity: dict[str, Any], ckpt_dir: Path, factory):
+    """Rank 0's MLflow run of a training run, for its RunRecord to log to; None on the other ranks and
+    without tracking (`factory` None). It continues the checkpoint's MLflow run, or else the one that
+    an invocation killed before its first checkpoint opened under the same `identity`. It ends as
+    FAILED where the body raises; otherwise its end flushes the queued metrics and stops watching the
+    system, so that the next member's run may open."""
+    tracker = None
+    if env.main and factory is not None:
+        if not progress.step:  # a run killed before its first checkpoint may have opened its MLflow run
+            progress.mlflow_run_id = opened_run(ckpt_dir, identity)
+            factory = noting_opened_run(factory, ckpt_dir, identity)
+        tracker = start_tracking(params, progress, factory)
+    try:
+        yield tracker
+    except BaseException:
+        if tracker:
+            tracker.end("FAILED")
+        raise
+    if tracker:
+        tracker.end()
+
+
+def upload(tracker, vocab_dir: Path, ckpt_dir: Path) -> None:
+    """Puts a trained run's files in its MLflow run (`tracker`, None where there is none): the
+    vocabulary and the final checkpoint."""
+    if tracker is None:
+        return
+    tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+    final = checkpoints.listed(ckpt_dir)
+    if final:
+        tracker.log_artifact(final[-1], "checkpoints")
 
 
 def start_tracking(params: Params, progress: Progress, tracker_factory):

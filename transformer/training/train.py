@@ -41,7 +41,7 @@ from transformer.training.checkpointing import Checkpointer
 from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
 from transformer.training.loss import batch_loss
 from transformer.training.precision import Precision
-from transformer.training.record import RunRecord, Stepped, bleus, progress_bar, say
+from transformer.training.record import RunRecord, Stepped, bleus, progress_bar, say, tracked_run, upload
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
 from transformer.training.validation import Validation, ValidationData
@@ -117,8 +117,6 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
     if env.device.type == "cpu":
         keep_freed_memory()
     setup, progress, meta = _prepare(params, env, inputs, out)
-    record = RunRecord(params, env, out, progress, started)
-    record.track(tracker_factory, meta["identity"])
     checkpointer = Checkpointer(
         directory=out.checkpoints,
         params=params,
@@ -129,20 +127,16 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
         optimizer=setup.optimizer,
         scaler=setup.precision.scaler,
     )
-    trainer = Trainer(setup, progress, record, checkpointer)
-    try:
-        summary = trainer.run()
-    except torch.cuda.OutOfMemoryError:
-        record.fail()
-        raise TrainingError(
-            f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
-            f"(now {params.train.max_tokens}) and raise train.accum to keep the tokens per update"
-        ) from None
-    except BaseException:
-        record.fail()
-        raise
-    record.finish()
-    return summary, functools.partial(record.upload, inputs.vocab_dir)
+    with tracked_run(params, env, progress, meta["identity"], out.checkpoints, tracker_factory) as tracker:
+        record = RunRecord(params, env, out, progress, started, tracker)
+        try:
+            summary = Trainer(setup, progress, record, checkpointer).run()
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(
+                f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
+                f"(now {params.train.max_tokens}) and raise train.accum to keep the tokens per update"
+            ) from None
+    return summary, functools.partial(upload, tracker, inputs.vocab_dir, out.checkpoints)
 
 
 @dataclass(frozen=True)

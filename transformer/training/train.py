@@ -244,6 +244,30 @@ def epoch_groups(corpus: ParallelCorpus, p: TrainConfig, epoch: int) -> list[lis
     return epoch_steps(batches, 1, p.nproc * p.nnodes * p.accum, 0)
 
 
+def epoch_corpus(split: TrainingSplit, epoch: int, env: Dist) -> ParallelCorpus:
+    """The training pairs of an epoch: the fixed ids, or under BPE-dropout a segmentation of the epoch's
+    own. Rank 0 reports how long that segmentation took and how much it grew the tokens, since it
+    delays the epoch's first update."""
+    if not split.dropout:
+        return split.fixed
+    start = time.perf_counter()
+    corpus, fixed = split.epoch(epoch), split.fixed
+    grown = (len(corpus.src) + len(corpus.tgt)) / max(len(fixed.src) + len(fixed.tgt), 1)
+    say(
+        env,
+        f"epoch {epoch + 1}: BPE-dropout {split.dropout} segmented {len(corpus):,} pairs in "
+        f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens",
+    )
+    return corpus
+
+
+def rdrop_alpha(step: int, alpha: float, start: float, planned_updates: int) -> float:
+    """R-Drop's alpha for the update after `step`: `alpha` (train.rdrop) from the `start` fraction
+    (train.rdrop_from) of the planned updates on, 0 before. It is a function of the step, so that a
+    resumed run switches where the uninterrupted one does."""
+    return alpha if step >= start * planned_updates else 0.0
+
+
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
     # The model section's keys are Transformer's keyword arguments.
     return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "pad": PAD} | dataclasses.asdict(params.model)
@@ -301,6 +325,8 @@ class Trainer:
         self.stopped, self.validated_at = False, -1
 
     def run(self) -> dict[str, Any]:
+        """Trains to the end of the last epoch, of train.max_steps or of early stopping's patience,
+        and returns the run's summary."""
         pr, p = self.progress, self.p
         # Every rank resumed the same history; later, rank 0 alone records validations.
         self.stopped = patience_spent(bleus(pr.epochs), p.patience)
@@ -319,7 +345,7 @@ class Trainer:
     def _plan(self) -> list[list[list[int]]]:
         """The epoch's updates, every rank's (_update takes this rank's share), and the run's length."""
         pr, p = self.progress, self.p
-        self.corpus = self._epoch_corpus()
+        self.corpus = epoch_corpus(self.split, pr.epoch, self.env)
         groups = epoch_groups(self.corpus, p, pr.epoch)
         if not groups:
             raise TrainingError(
@@ -334,23 +360,11 @@ class Trainer:
         self.record.count_shapes(batch_shapes(self.corpus, groups, p.pad_multiple))
         return groups
 
-    def _epoch_corpus(self) -> ParallelCorpus:
-        if not self.split.dropout:
-            return self.split.fixed
-        start = time.perf_counter()
-        corpus, fixed = self.split.epoch(self.progress.epoch), self.split.fixed
-        grown = (len(corpus.src) + len(corpus.tgt)) / max(len(fixed.src) + len(fixed.tgt), 1)
-        say(
-            self.env,
-            f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
-            f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens",
-        )
-        return corpus
-
     def _done(self) -> bool:
         return 0 < self.p.max_steps <= self.progress.step or self.stopped
 
     def _epoch(self, groups: list[list[list[int]]]) -> None:
+        """Runs the epoch's updates from where the run stands in it: a run resumed mid-epoch skips those done."""
         pr, env = self.progress, self.env
         bar = progress_bar(env, len(groups), pr.step_in_epoch, f"epoch {pr.epoch + 1}/{self.p.epochs}")
         self.record.restart_timing()
@@ -378,10 +392,13 @@ class Trainer:
             self._save()
 
     def _update(self, update: Update) -> None:
+        """One update of the weights. It reads nothing back to the host, so that the device never waits:
+        its loss stays on the device until the record's next sync."""
         pr, env, p = self.progress, self.env, self.p
         lr = rate(pr.step + 1, self.params.model.d_model, p.factor, p.warmup, self.planned_updates, p.cooldown)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        rdrop = rdrop_alpha(pr.step, p.rdrop, p.rdrop_from, self.planned_updates)
         self.model.train()
         loss_sum = torch.zeros((), device=env.device)
         for i, batch in enumerate(update.batches):
@@ -389,7 +406,7 @@ class Trainer:
             last = i == len(update.batches) - 1
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
             with sync, self.precision.autocast():
-                loss = self.step_model(batch, self._rdrop())
+                loss = self.step_model(batch, rdrop)
                 self.precision.backward(loss * (env.world / update.total))
             loss_sum += loss.detach()
         skipped = self.precision.step(self.optimizer)
@@ -398,12 +415,6 @@ class Trainer:
         self.record.updated(stepped, update.wait_s)
         pr.step += 1
         pr.step_in_epoch += 1
-
-    def _rdrop(self) -> float:
-        """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the
-        planned updates on, 0 before. A function of the step, so a resumed run switches where the
-        uninterrupted one does."""
-        return self.p.rdrop if self.progress.step >= self.p.rdrop_from * self.planned_updates else 0.0
 
     def _validate_and_save(self, epoch: float) -> None:
         """A validation, which rank 0 alone measures (the loss, and BLEU with references), then a

@@ -1,10 +1,11 @@
-"""A training run's record: its clock, the losses of its updates (checked at each host sync), its
-validations, the checkpoints and reports written from them and its MLflow run. Rank 0 keeps the
-record; this module is where that is decided: on every other rank its writes do nothing."""
+"""A training run's record: its clock, the losses of its updates (checked at each host sync), the
+history of its updates and validations, the step and epoch reports and the summary written from that
+history, and the MLflow run it logs to (tracked_run opens and ends that). Every rank keeps the clock
+and checks its own losses; rank 0 alone keeps the history, writes and logs."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
 import sys
 import time
@@ -13,16 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.amp import GradScaler
-from torch.optim import Optimizer
 
 from transformer import checkpoints
 from transformer.config import TRAIN_SECTIONS, Params, flatten
 from transformer.errors import TrainingError
 from transformer.io import write_json, write_text
 from transformer.kernels.memory import allocator, kernel_cache
-from transformer.training.distributed import Dist, rank_seed, restarts
+from transformer.training.distributed import Dist, restarts
 from transformer.training.resume import Progress, noting_opened_run, opened_run
 
 
@@ -40,19 +38,6 @@ def progress_bar(env: Dist, total: int, initial: int, desc: str):
     return tqdm(
         total=total, initial=initial, desc=desc, disable=disable, file=sys.stderr, mininterval=2, dynamic_ncols=True
     )
-
-
-def rank0(method):
-    """A RunRecord method that rank 0 alone runs (it keeps the history, writes, logs and says);
-    on every other rank the call does nothing."""
-
-    @functools.wraps(method)
-    def on_rank0(self, *args, **kwargs):
-        if self.env.main:
-            return method(self, *args, **kwargs)
-        return None
-
-    return on_rank0
 
 
 @dataclass
@@ -73,11 +58,8 @@ class Clock:
         self.batch_wait_s += wait_s
 
     def open_window(self) -> None:
+        """Opens a window now, leaving out the time since the last update."""
         self.tick, self.tokens, self.wait_s = time.perf_counter(), 0, 0.0
-
-    def leave_out(self) -> None:
-        """The time since the window's last update is not training's (a validation's)."""
-        self.tick = time.perf_counter()
 
     def lap(self) -> tuple[float, int, float]:
         """Closes the window: its seconds, target tokens and batch wait; the next one opens now."""
@@ -103,73 +85,56 @@ class Stepped:
 
 
 class RunRecord:
-    """What a run leaves besides its weights in memory. Every rank keeps the clock and checks its
-    own losses; rank 0 alone keeps the history, writes checkpoints and reports, and logs to MLflow."""
+    """What a run leaves besides its checkpoints. Every rank keeps the clock and checks the losses of
+    its own updates; rank 0 alone keeps the history, writes the reports and logs to MLflow. The methods
+    ask env.main where only rank 0 acts, except validated(), which only rank 0 calls, as it alone
+    measures the validations."""
 
-    def __init__(self, params: Params, env: Dist, out, progress: Progress, clock: Clock, meta: dict[str, Any]):
-        self.params, self.env, self.out, self.progress, self.clock = params, env, out, progress, clock
-        self.meta = meta  # what every checkpoint carries besides the run's state
-        self.tracker = None  # rank 0's MLflow run, once track() opened it
-        self.pending: list[Stepped] = []
-        self.batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
-        self.peaks: list[float] = []  # every rank's peak resident set (MiB), as of the last collective
-
-    @rank0
-    def track(self, tracker_factory) -> None:
-        """Opens the run's MLflow run, the checkpoint's where it continues one."""
-        if tracker_factory is None:
-            return
-        if not self.progress.step:  # a run killed before its first checkpoint may have opened its MLflow run
-            ckpts, identity = self.out.checkpoints, self.meta["identity"]
-            self.progress.mlflow_run_id = opened_run(ckpts, identity)
-            tracker_factory = noting_opened_run(tracker_factory, ckpts, identity)
-        self.tracker = start_tracking(self.params, self.progress, tracker_factory)
-
-    def finish(self) -> None:
-        """Flushes the queued metrics and stops watching the system: the next member's run may open."""
-        if self.tracker:
-            self.tracker.end()
-
-    def fail(self) -> None:
-        if self.tracker:
-            self.tracker.end("FAILED")
-
-    def upload(self, vocab_dir: Path) -> None:
-        """Rank 0's files of a trained run in MLflow: the vocabulary and the final checkpoint."""
-        if self.tracker is None:
-            return
-        self.tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
-        final = checkpoints.listed(self.out.checkpoints)
-        if final:
-            self.tracker.log_artifact(final[-1], "checkpoints")
-
-    def say(self, message: str) -> None:
-        say(self.env, message)
+    def __init__(self, params: Params, env: Dist, out, progress: Progress, started: float, tracker):
+        self.params, self.env, self.out, self.progress = params, env, out, progress
+        self._clock = Clock(started, progress.wall_s)
+        self._tracker = tracker  # rank 0's MLflow run (tracked_run), or None
+        self._pending: list[Stepped] = []  # the updates whose losses are still on the device
+        self._batch_shapes: dict[int, int] = {}  # epoch number: distinct batch shapes, of this invocation's epochs
 
     def count_shapes(self, shapes: int) -> None:
-        """The epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
-        self.batch_shapes[self.progress.epoch + 1] = shapes
-        if self.tracker:  # that step also when resumed inside the epoch: one value a step
-            self.tracker.log_metrics({"batch_shapes": shapes}, self.progress.step - self.progress.step_in_epoch + 1)
+        """Records the epoch's distinct batch shapes: in train.json by epoch number, in MLflow at its first update."""
+        self._batch_shapes[self.progress.epoch + 1] = shapes
+        if self._tracker:  # that step also when resumed inside the epoch: one value a step
+            self._tracker.log_metrics({"batch_shapes": shapes}, self.progress.step - self.progress.step_in_epoch + 1)
 
     def updated(self, update: Stepped, wait_s: float) -> None:
-        """An update done; `wait_s`: the time the loop waited for its batches."""
-        self.pending.append(update)
-        self.clock.waited(update.tokens, wait_s)
+        """Holds a finished update until the next sync; `wait_s` is the time the loop waited for its batches."""
+        self._pending.append(update)
+        self._clock.waited(update.tokens, wait_s)
+
+    def unread(self) -> int:
+        """The number of updates whose losses the next sync reads back."""
+        return len(self._pending)
+
+    def restart_timing(self) -> None:
+        """Counts training time from now on: the time since the last update went to a validation, a
+        checkpoint or the planning of an epoch, none of which is training's."""
+        self._clock.open_window()
+
+    def wall_s(self) -> float:
+        """The run's wall time so far, over every invocation, which a checkpoint carries so that the
+        next invocation's clock goes on from it."""
+        return self._clock.wall_s()
 
     def sync(self) -> dict[str, str]:
         """The one host sync of the loop: checks the pending losses, records and reports them."""
-        if not self.pending:
+        if not self._pending:
             return {}
-        skips = [x.skipped.float() for x in self.pending if x.skipped is not None]  # fp16's, read with the losses
-        read = torch.stack([x.loss for x in self.pending] + skips).tolist()
-        losses = read[: len(self.pending)]
-        self.progress.skipped_updates += round(sum(read[len(self.pending) :]))
-        elapsed, tokens, wait_s = self.clock.lap()
+        skips = [x.skipped.float() for x in self._pending if x.skipped is not None]  # fp16's, read with the losses
+        read = torch.stack([x.loss for x in self._pending] + skips).tolist()
+        losses = read[: len(self._pending)]
+        self.progress.skipped_updates += round(sum(read[len(self._pending) :]))
+        elapsed, tokens, wait_s = self._clock.lap()
         self.progress.train_time_s += elapsed
         tokens_per_s = tokens * self.env.world / elapsed
         rows = []
-        for x, loss in zip(self.pending, losses):
+        for x, loss in zip(self._pending, losses):
             if not math.isfinite(loss):
                 raise TrainingError(
                     f"loss is {loss} at step {x.step} (epoch {self.progress.epoch + 1}, "
@@ -178,106 +143,63 @@ class RunRecord:
                     "Lower train.factor or raise train.warmup."
                 )
             rows.append({"step": x.step, "loss": loss / x.tokens, "lr": x.lr, "tokens_per_s": tokens_per_s})
-        self.pending = []
-        self._keep(rows, 1000 * wait_s / len(rows), counts_skips=bool(skips))
+        self._pending = []
+        if self.env.main:
+            self._keep(rows, 1000 * wait_s / len(rows), counts_skips=bool(skips))
         last = rows[-1]
         return {"loss": f"{last['loss']:.3f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
 
-    @rank0
     def _keep(self, rows: list[dict[str, float]], wait_ms: float, counts_skips: bool) -> None:
-        """The updates' rows in the run's history, and in MLflow with the mean batch wait and, under
-        fp16 (`counts_skips`), the updates the gradient scaler has skipped so far."""
+        """Adds the updates' rows to the run's history and logs them to MLflow, with the mean batch wait
+        and, under fp16 (`counts_skips`), the count of updates that the gradient scaler has skipped so far."""
         self.progress.steps.extend(rows)
         skipped = {"skipped_updates": self.progress.skipped_updates} if counts_skips else {}
-        if self.tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
-            self.tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms} | skipped])
+        if self._tracker:  # the wait is this invocation's, not the run's history: MLflow alone has it
+            self._tracker.log_rows(rows[:-1] + [rows[-1] | {"batch_wait_ms": wait_ms} | skipped])
 
-    @rank0
-    def validated(self, epoch: float, measure) -> None:
-        """Measures (`measure()`: the val_ columns) and records a validation."""
-        pr, measured = self.progress, measure()
+    def validated(self, epoch: float, measured: dict[str, float]) -> None:
+        """Records a validation that rank 0 has measured (`measured`: its val_ columns), says it and logs it."""
+        pr = self.progress
         recent = [r["loss"] for r in pr.steps[-200:]]
         row = {"epoch": epoch, "step": pr.step, "train_loss": sum(recent) / max(len(recent), 1)} | measured
         pr.epochs.append(row)
         bleu = f", val BLEU {row['val_bleu']:.2f}" if "val_bleu" in row else ""
-        self.say(
+        say(
+            self.env,
             f"epoch {epoch:.4g}: step {pr.step}, train loss {row['train_loss']:.3f}, val loss {row['val_loss']:.3f}, "
-            f"val ppl {row['val_ppl']:.2f}{bleu}, {pr.train_time_s / 60:.1f} min"
+            f"val ppl {row['val_ppl']:.2f}{bleu}, {pr.train_time_s / 60:.1f} min",
         )
-        if self.tracker:
-            self.tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
+        if self._tracker:
+            self._tracker.log_metrics({k: v for k, v in row.items() if k.startswith("val_")}, pr.step)
 
-    @rank0
-    def stopping_early(self, patience: int) -> None:
-        best = max(bleus(self.progress.epochs))
-        self.say(f"val BLEU has not risen for {patience} validations (best {best:.2f}): stopping early")
+    def saved(self, peaks: list[float], stopped: bool) -> None:
+        """Follows a checkpoint on rank 0: every rank's memory peak (`peaks`, MiB) goes to MLflow at the
+        checkpoint's step, and the reports are rewritten, so that they never lag the newest checkpoint."""
+        if not self.env.main:
+            return
+        if self._tracker:
+            self._tracker.log_metrics({f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(peaks)}, self.progress.step)
+        self.report(stopped, peaks)
 
-    @rank0
-    def save(self, model: nn.Module, optimizer: Optimizer, rng: list[dict], stopped: bool, scaler: GradScaler) -> None:
-        """A checkpoint of the run so far (every rank's generators, `rng`; fp16's gradient scaler,
-        `scaler`, where enabled), the old ones pruned, and the reports; weights that became non-finite
-        stop the run instead."""
-        pr = self.progress
-        _check_finite(model, pr, self.out.checkpoints)
-        path = checkpoints.path_for(self.out.checkpoints, pr.step)
-        pr.wall_s = self.clock.wall_s()
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        if scaler.is_enabled():  # other checkpoints hold none, as those written before fp16
-            state["scaler"] = scaler.state_dict()
-        checkpoints.save(path, state | _run_state(self.params, self.env, pr, rng) | self.meta)
-        a = self.params.average  # with select best, its candidates stay until better ones replace them
-        best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
-        checkpoints.prune(self.out.checkpoints, self.params.train.keep, best)
-        if self.tracker:
-            self.tracker.log_metrics({f"peak_rss_mb_rank_{r}": mb for r, mb in enumerate(self.peaks)}, pr.step)
-        self.report(stopped)
-
-    def report(self, stopped: bool) -> dict[str, Any]:
-        """The run's summary, which rank 0 writes with the step and epoch reports."""
-        self.progress.wall_s = self.clock.wall_s()
-        peaks = {f"rank_{r}": round(mb) for r, mb in enumerate(self.peaks)}
-        summary = _summary(self.progress, self.clock, stopped) | {
-            "batch_shapes": self.batch_shapes,
-            "peak_rss_mb": peaks,
+    def report(self, stopped: bool, peaks: list[float]) -> dict[str, Any]:
+        """The run's summary (`peaks`: every rank's memory peak, MiB), which rank 0 writes with the step
+        and epoch reports."""
+        self.progress.wall_s = self._clock.wall_s()
+        summary = _summary(self.progress, self._clock, stopped) | {
+            "batch_shapes": self._batch_shapes,
+            "peak_rss_mb": {f"rank_{r}": round(mb) for r, mb in enumerate(peaks)},
         }
-        self._write(summary)
+        if self.env.main:
+            self._write(summary)
         return summary
 
-    @rank0
     def _write(self, summary: dict[str, Any]) -> None:
-        """The step and epoch reports (TSV) and the summary (JSON)."""
+        """Writes the step and epoch reports (TSV) and the summary (JSON)."""
         pr = self.progress
         _write_tsv(self.out.steps, pr.steps, ("step", "loss", "lr", "tokens_per_s"))
         val_bleu = ("val_bleu",) if bleus(pr.epochs) else ()
         _write_tsv(self.out.epochs, pr.epochs, ("epoch", "step", "train_loss", "val_loss", "val_ppl") + val_bleu)
         write_json(self.out.summary, summary)
-
-
-def _check_finite(model: torch.nn.Module, pr: Progress, kept: Path) -> None:
-    """A finite loss was computed before the last update, which can still overflow the weights."""
-    broken = next((name for name, t in model.named_parameters() if not torch.isfinite(t).all()), None)
-    if broken:
-        raise TrainingError(
-            f"parameter '{broken}' became non-finite at step {pr.step} (epoch {pr.epoch + 1}); stopped; "
-            f"the last good checkpoint in {kept} is kept. Lower train.factor or raise train.warmup."
-        )
-
-
-def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict]) -> dict[str, Any]:
-    """What a checkpoint holds of the run besides weights, optimizer and the run's constants."""
-    return {
-        "params": params.to_dict(),
-        "step": pr.step,
-        "epoch": pr.epoch,
-        "step_in_epoch": pr.step_in_epoch,
-        "train_time_s": pr.train_time_s,
-        "wall_s": pr.wall_s,
-        "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
-        "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
-        "history": {"steps": pr.steps, "epochs": pr.epochs},
-        "mlflow_run_id": pr.mlflow_run_id,
-        "skipped_updates": pr.skipped_updates,
-    }
 
 
 def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
@@ -298,6 +220,40 @@ def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
         "restarts": restarts(),  # by torchrun, in this invocation
         "skipped_updates": pr.skipped_updates,  # by fp16's gradient scaler, over the run
     }
+
+
+@contextlib.contextmanager
+def tracked_run(params: Params, env: Dist, progress: Progress, identity: dict[str, Any], ckpt_dir: Path, factory):
+    """Rank 0's MLflow run of a training run, for its RunRecord to log to; None on the other ranks and
+    without tracking (`factory` None). It continues the checkpoint's MLflow run, or else the one that
+    an invocation killed before its first checkpoint opened under the same `identity`. It ends as
+    FAILED where the body raises; otherwise its end flushes the queued metrics and stops watching the
+    system, so that the next member's run may open."""
+    tracker = None
+    if env.main and factory is not None:
+        if not progress.step:  # a run killed before its first checkpoint may have opened its MLflow run
+            progress.mlflow_run_id = opened_run(ckpt_dir, identity)
+            factory = noting_opened_run(factory, ckpt_dir, identity)
+        tracker = start_tracking(params, progress, factory)
+    try:
+        yield tracker
+    except BaseException:
+        if tracker:
+            tracker.end("FAILED")
+        raise
+    if tracker:
+        tracker.end()
+
+
+def upload(tracker, vocab_dir: Path, ckpt_dir: Path) -> None:
+    """Puts a trained run's files in its MLflow run (`tracker`, None where there is none): the
+    vocabulary and the final checkpoint."""
+    if tracker is None:
+        return
+    tracker.log_artifact(vocab_dir / "vocab.json", "vocab")
+    final = checkpoints.listed(ckpt_dir)
+    if final:
+        tracker.log_artifact(final[-1], "checkpoints")
 
 
 def start_tracking(params: Params, progress: Progress, tracker_factory):

@@ -1,8 +1,10 @@
 """Training (section 5): token batches, Adam with warmup, label smoothing, DDP, resumable.
 
 train() prepares each run (an ensemble's member) and hands it to a Trainer, which runs the epochs and
-updates; validation.Validation measures the validations and decides early stopping; record.RunRecord
-keeps the clock, the losses, checkpoints, reports and the MLflow run, rank 0's."""
+updates. The Trainer calls three parts, each of which keeps its own state: validation.Validation
+measures the validations and decides early stopping; checkpointing.Checkpointer saves and prunes the
+checkpoints; record.RunRecord keeps the clock, the losses, the reports and the MLflow run. Where only
+rank 0 acts, the part or the Trainer asks env.main."""
 
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ from transformer.io import read_lines, sha256_file
 from transformer.kernels.accelerate import accelerate
 from transformer.kernels.memory import keep_freed_memory, peak_rss_mb, release_freed_memory
 from transformer.model.model import make_model
+from transformer.training.checkpointing import Checkpointer
 from transformer.training.distributed import Dist, gathered, process_group, rank_seed, wrap_ddp
 from transformer.training.loss import Loss, batch_loss
 from transformer.training.precision import Precision
-from transformer.training.record import Clock, RunRecord, Stepped, bleus, progress_bar, say
+from transformer.training.record import RunRecord, Stepped, bleus, progress_bar, say, tracked_run, upload
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
 from transformer.training.validation import Validation, ValidationData
@@ -115,22 +118,26 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
     if env.device.type == "cpu":
         keep_freed_memory()
     setup, progress, meta = _prepare(params, env, inputs, out)
-    record = RunRecord(params, env, out, progress, Clock(started, progress.wall_s), meta)
-    record.track(tracker_factory)
-    trainer = Trainer(setup, progress, record)
-    try:
-        summary = trainer.run()
-    except torch.cuda.OutOfMemoryError:
-        record.fail()
-        raise TrainingError(
-            f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
-            f"(now {params.train.max_tokens}) and raise train.accum to keep the tokens per update"
-        ) from None
-    except BaseException:
-        record.fail()
-        raise
-    record.finish()
-    return summary, functools.partial(record.upload, inputs.vocab_dir)
+    checkpointer = Checkpointer(
+        directory=out.checkpoints,
+        params=params,
+        env=env,
+        progress=progress,
+        meta=meta,
+        model=setup.model,
+        optimizer=setup.optimizer,
+        scaler=setup.precision.scaler,
+    )
+    with tracked_run(params, env, progress, meta["identity"], out.checkpoints, tracker_factory) as tracker:
+        record = RunRecord(params, env, out, progress, started, tracker)
+        try:
+            summary = Trainer(setup, progress, record, checkpointer).run()
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(
+                f"out of GPU memory at step {progress.step + 1}: lower train.max_tokens "
+                f"(now {params.train.max_tokens}) and raise train.accum to keep the tokens per update"
+            ) from None
+    return summary, functools.partial(upload, tracker, inputs.vocab_dir, out.checkpoints)
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,30 @@ def epoch_groups(corpus: ParallelCorpus, p: TrainConfig, epoch: int) -> list[lis
     return epoch_steps(batches, 1, p.nproc * p.nnodes * p.accum, 0)
 
 
+def epoch_corpus(split: TrainingSplit, epoch: int, env: Dist) -> ParallelCorpus:
+    """The training pairs of an epoch: the fixed ids, or under BPE-dropout a segmentation of the epoch's
+    own. Rank 0 reports how long that segmentation took and how much it grew the tokens, since it
+    delays the epoch's first update."""
+    if not split.dropout:
+        return split.fixed
+    start = time.perf_counter()
+    corpus, fixed = split.epoch(epoch), split.fixed
+    grown = (len(corpus.src) + len(corpus.tgt)) / max(len(fixed.src) + len(fixed.tgt), 1)
+    say(
+        env,
+        f"epoch {epoch + 1}: BPE-dropout {split.dropout} segmented {len(corpus):,} pairs in "
+        f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens",
+    )
+    return corpus
+
+
+def rdrop_alpha(step: int, alpha: float, start: float, planned_updates: int) -> float:
+    """R-Drop's alpha for the update after `step`: `alpha` (train.rdrop) from the `start` fraction
+    (train.rdrop_from) of the planned updates on, 0 before. It is a function of the step, so that a
+    resumed run switches where the uninterrupted one does."""
+    return alpha if step >= start * planned_updates else 0.0
+
+
 def _model_config(params: Params, src_vocab, tgt_vocab) -> dict[str, Any]:
     # The model section's keys are Transformer's keyword arguments.
     return {"src_vocab": len(src_vocab), "tgt_vocab": len(tgt_vocab), "pad": PAD} | dataclasses.asdict(params.model)
@@ -268,13 +299,14 @@ def compiled(step: nn.Module, backend: str = "inductor") -> nn.Module:
 
 class Trainer:
     """The epochs and updates of one run, each update the paper's Adam step at the schedule's rate on
-    the summed micro-batch losses of every rank; a validation and a checkpoint at each epoch's end
-    (and every train.eval_every updates), a checkpoint every train.save_every."""
+    the summed micro-batch losses of every rank. It decides when to validate (at each epoch's end, and
+    every train.eval_every updates) and when to checkpoint (after each validation, and every
+    train.save_every updates); the Validation, the Checkpointer and the RunRecord do the rest."""
 
-    def __init__(self, setup: Setup, progress: Progress, record: RunRecord):
+    def __init__(self, setup: Setup, progress: Progress, record: RunRecord, checkpointer: Checkpointer):
         self.params, self.p, self.env = setup.params, setup.params.train, setup.env
         self.model, self.optimizer, self.split = setup.model, setup.optimizer, setup.split
-        self.progress, self.record = progress, record
+        self.progress, self.record, self.checkpointer = progress, record, checkpointer
         p = self.p
         loss = Loss(PAD, p.label_smoothing, p.smoothing_zeroes_pad)
         step = StepLoss(self.model, loss, p.rdrop_shared_encoder, p.rdrop_share)
@@ -289,6 +321,8 @@ class Trainer:
         self.stopped, self.validated_at = False, -1
 
     def run(self) -> dict[str, Any]:
+        """Trains to the end of the last epoch, of train.max_steps or of early stopping's patience,
+        and returns the run's summary."""
         pr, p = self.progress, self.p
         # Every rank resumed the same history; later, rank 0 alone records validations.
         self.stopped = patience_spent(bleus(pr.epochs), p.patience)
@@ -302,13 +336,12 @@ class Trainer:
         finished_here = self.validated_at == pr.step  # a rerun of a finished run adds nothing
         if pr.step_in_epoch and not finished_here:  # stopped by max_steps inside an epoch
             self._validate_and_save(pr.epoch + 1)
-        self.record.peaks = gathered(peak_rss_mb(), self.env)
-        return self.record.report(self.stopped)
+        return self.record.report(self.stopped, gathered(peak_rss_mb(), self.env))
 
     def _plan(self) -> list[list[list[int]]]:
         """The epoch's updates, every rank's (_update takes this rank's share), and the run's length."""
         pr, p = self.progress, self.p
-        self.corpus = self._epoch_corpus()
+        self.corpus = epoch_corpus(self.split, pr.epoch, self.env)
         groups = epoch_groups(self.corpus, p, pr.epoch)
         if not groups:
             raise TrainingError(
@@ -323,25 +356,14 @@ class Trainer:
         self.record.count_shapes(batch_shapes(self.corpus, groups, p.pad_multiple))
         return groups
 
-    def _epoch_corpus(self) -> ParallelCorpus:
-        if not self.split.dropout:
-            return self.split.fixed
-        start = time.perf_counter()
-        corpus, fixed = self.split.epoch(self.progress.epoch), self.split.fixed
-        grown = (len(corpus.src) + len(corpus.tgt)) / max(len(fixed.src) + len(fixed.tgt), 1)
-        self.record.say(
-            f"epoch {self.progress.epoch + 1}: BPE-dropout {self.split.dropout} segmented {len(corpus):,} pairs in "
-            f"{time.perf_counter() - start:.1f} s, {grown:.2f}x the tokens"
-        )
-        return corpus
-
     def _done(self) -> bool:
         return 0 < self.p.max_steps <= self.progress.step or self.stopped
 
     def _epoch(self, groups: list[list[list[int]]]) -> None:
+        """Runs the epoch's updates from where the run stands in it: a run resumed mid-epoch skips those done."""
         pr, env = self.progress, self.env
         bar = progress_bar(env, len(groups), pr.step_in_epoch, f"epoch {pr.epoch + 1}/{self.p.epochs}")
-        self.record.clock.open_window()
+        self.record.restart_timing()
         left = groups[pr.step_in_epoch :]
         with Prefetch(self.corpus, left, env.rank, env.world, env.device, self.p.pad_multiple) as updates:
             for update in updates:
@@ -355,21 +377,24 @@ class Trainer:
     def _after_update(self, updates: int, bar) -> None:
         """The host sync every LOG_EVERY updates, and the validations and checkpoints the params ask for."""
         pr, p = self.progress, self.p
-        if len(self.record.pending) >= LOG_EVERY:
+        if self.record.unread() >= LOG_EVERY:
             bar.set_postfix(self.record.sync())
         if self.env.device.type == "cpu" and pr.step % RELEASE_EVERY == 0:
             release_freed_memory()
         if p.eval_every and pr.step % p.eval_every == 0 and pr.step_in_epoch < updates:
             self._validate_and_save(pr.epoch + pr.step_in_epoch / updates)  # the epoch's end validates anyway
-            self.record.clock.leave_out()  # training time leaves validation out, as at epoch ends
+            self.record.restart_timing()  # training time leaves validation out, as at epoch ends
         elif p.save_every and pr.step % p.save_every == 0:
             self._save()
 
     def _update(self, update: Update) -> None:
+        """One update of the weights. It reads nothing back to the host, so that the device never waits:
+        its loss stays on the device until the record's next sync."""
         pr, env, p = self.progress, self.env, self.p
         lr = rate(pr.step + 1, self.params.model.d_model, p.factor, p.warmup, self.planned_updates, p.cooldown)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        rdrop = rdrop_alpha(pr.step, p.rdrop, p.rdrop_from, self.planned_updates)
         self.model.train()
         loss_sum = torch.zeros((), device=env.device)
         for i, batch in enumerate(update.batches):
@@ -377,7 +402,7 @@ class Trainer:
             last = i == len(update.batches) - 1
             sync = self.step_model.no_sync() if env.world > 1 and not last else contextlib.nullcontext()
             with sync, self.precision.autocast():
-                loss = self.step_model(batch, self._rdrop())
+                loss = self.step_model(batch, rdrop)
                 self.precision.backward(loss * (env.world / update.total))
             loss_sum += loss.detach()
         skipped = self.precision.step(self.optimizer)
@@ -387,27 +412,18 @@ class Trainer:
         pr.step += 1
         pr.step_in_epoch += 1
 
-    def _rdrop(self) -> float:
-        """R-Drop's alpha for the current update: train.rdrop from the train.rdrop_from fraction of the
-        planned updates on, 0 before. A function of the step, so a resumed run switches where the
-        uninterrupted one does."""
-        return self.p.rdrop if self.progress.step >= self.p.rdrop_from * self.planned_updates else 0.0
-
     def _validate_and_save(self, epoch: float) -> None:
-        """A validation (rank 0's: loss, and BLEU with references), a checkpoint, then early stopping's verdict."""
+        """A validation, which rank 0 alone measures (the loss, and BLEU with references), then a
+        checkpoint, then early stopping's verdict, which every rank takes."""
         self.record.sync()
-        self.record.validated(epoch, self.validation.measure)
+        if self.env.main:
+            self.record.validated(epoch, self.validation.measure())
         self.validated_at = self.progress.step
         self._save()
         if self.p.patience:
             self.stopped = self.validation.stops(bleus(self.progress.epochs))
-            if self.stopped:
-                self.record.stopping_early(self.p.patience)
 
     def _save(self) -> None:
         self.record.sync()  # never checkpoint weights whose losses were not checked
-        # Every rank's generators, so that each resumes its own dropout masks, and its memory peak.
-        ranks = gathered({"rng": checkpoints.rng_state(self.env.device), "peak": peak_rss_mb()}, self.env)
-        self.record.peaks = [r["peak"] for r in ranks]
-        rng = [r["rng"] for r in ranks]
-        self.record.save(self.model, self.optimizer, rng, self.stopped, scaler=self.precision.scaler)
+        peaks = self.checkpointer.save(self.record.wall_s())
+        self.record.saved(peaks, self.stopped)

@@ -19,6 +19,7 @@ from transformer.decoding.translate import Search, search_batches, to_text
 from transformer.evaluation.score import score_lines
 from transformer.training.distributed import Dist
 from transformer.training.loss import Loss
+from transformer.training.record import say
 from transformer.training.resume import patience_spent
 
 
@@ -34,8 +35,8 @@ class ValidationData:
 
 @dataclass(frozen=True)
 class Validation:
-    """The validations of one run: rank 0 measures them (RunRecord.validated), every rank takes
-    rank 0's early-stopping verdict."""
+    """The validations of one run. Rank 0 alone measures them, since it alone holds the references
+    and the history; every rank then takes its verdict on early stopping."""
 
     model: nn.Module
     criterion: Loss  # the training's loss, which gives the NLL with no smoothing
@@ -83,13 +84,16 @@ class Validation:
         return score_lines(hyps, self.data.references, self.params.data.tgt_lang, ("bleu",))["bleu"]
 
     def stops(self, bleus: list[float]) -> bool:
-        """Whether train.patience stops the run after this validation: rank 0 decides from its history
-        (`bleus`) and tells the others, so every rank stops at the same update."""
-        stopped = patience_spent(bleus, self.params.train.patience)
+        """Whether train.patience stops the run after this validation. Rank 0 decides from its history
+        (`bleus`) and tells the others, so that every rank stops at the same update."""
+        patience = self.params.train.patience
+        stopped = patience_spent(bleus, patience)
         if self.env.world > 1:
             flag = torch.tensor([int(stopped)], device=self.env.device)
             dist.broadcast(flag, 0)
             stopped = bool(flag.item())
+        if stopped and self.env.main:  # the other ranks hold no history to name the best from
+            say(self.env, f"val BLEU has not risen for {patience} validations (best {max(bleus):.2f}): stopping early")
         return stopped
 
 

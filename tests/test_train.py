@@ -599,13 +599,14 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path, vocab_dir):
 def test_an_update_reads_nothing_back_and_the_loop_reads_its_losses_once_a_log_interval(
     tmp_path, vocab_dir, monkeypatch, precision
 ):
-    # The reads an accelerator would wait for, counted on the CPU: packing off, as the code runs there.
-    # Where CUDA is at hand training runs on it, and torch's sync debug mode fails any sync in an update.
+    # The reads an accelerator would wait for, counted on the CPU: with the twins CUDA takes (none of the
+    # CPU's packing or row selection), as the code runs there. Where CUDA is at hand training runs on
+    # it, and torch's sync debug mode fails any sync in an update.
     import transformer.training.train as train_module
-    from transformer.kernels import packing
+    from transformer.kernels.accelerate import accelerate
     from transformer.training.record import RunRecord
 
-    monkeypatch.setattr(packing, "counts_on_host", lambda t: False)
+    monkeypatch.setattr(train_module, "accelerate", lambda step, device: accelerate(step, torch.device("cuda")))
     monkeypatch.setattr(train_module, "LOG_EVERY", 5)
     reads: dict[str, list[list[str]]] = {"_update": [], "sync": []}
     owners = {"_update": train_module.Trainer, "sync": RunRecord}

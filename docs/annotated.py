@@ -1,9 +1,12 @@
 # %% [markdown]
 # # The annotated model
 #
-# "Attention Is All You Need" (Vaswani et al., 2017) read section by section next to the code that
-# trains this project's models. No cell below defines a layer of its own: each prints the package's
-# own code, the very classes the pipeline trains, then builds them at toy size and shows what they do.
+# ["Attention Is All You Need"](https://arxiv.org/abs/1706.03762) (Vaswani et al., 2017) read section
+# by section next to the code that
+# trains this project's models, as [The Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/)
+# reads it next to its own. No cell below defines a layer of its own: each prints the package's
+# own code (`show`: the source, under its file and first line), the very classes the pipeline
+# trains, then builds them at toy size and shows what they do.
 # That code is the paper's alone; on a CPU, training swaps in faster twins of a few of these modules,
 # each held by a test to the plain one (`transformer/kernels/`, [speed](speed.md)).
 # The layout follows the paper: the model (section 3), training (section 5), decoding (section 6),
@@ -23,16 +26,18 @@
 # %%
 import inspect
 import json
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 import yaml
 
+import transformer
 from transformer.config import load_params
 from transformer.data.batching import ParallelCorpus, token_batches
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
-from transformer.decoding.search import beam_search_nbest, greedy, length_penalty
+from transformer.decoding.search import beam_search_nbest, greedy, length_penalty, one_path
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
@@ -40,6 +45,15 @@ from transformer.model.model import Transformer, count_parameters, make_model
 from transformer.training.loss import Loss, smoothed_cross_entropy
 from transformer.training.schedule import rate
 from transformer.training.train import make_optimizer
+
+
+def show(code) -> None:
+    """Prints the package's source of `code` (a class, function or method) under its file and first line."""
+    code = inspect.unwrap(code)  # a decorated function's own source, not its decorator's
+    lines, first = inspect.getsourcelines(code)
+    print(f"# {Path(inspect.getsourcefile(code)).relative_to(Path(transformer.__file__).parents[1])}, line {first}")
+    print("".join(lines))
+
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # models this small run fastest on one thread
@@ -90,7 +104,7 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 # shows once `make_model` has drawn the initial weights, below.
 
 # %%
-print(inspect.getsource(PositionalEncoding._table))
+show(PositionalEncoding._table)
 embed = Embeddings(vocab=10, d_model=d_model)
 tokens = torch.tensor([[4, 5, 6, 7, 1], [8, 9, 1, PAD, PAD]])  # (B, T)
 print("embeddings:", tuple(embed(tokens).shape), " scale sqrt(d_model) =", embed.scale)
@@ -122,7 +136,7 @@ fig.colorbar(image, ax=right)
 # instead, keeping the softmax's output in `.weights`; the two give the same result.
 
 # %%
-print(inspect.getsource(MultiHeadAttention.attend))
+show(MultiHeadAttention.attend)
 attention = MultiHeadAttention(d_model, h, self_attention=True).eval()
 x = torch.randn(B, T, d_model)
 fast = attention(x, None, Mask())  # self-attention: no memory, every key visible
@@ -153,8 +167,8 @@ print("fused kernel == formula:", torch.allclose(fast, written_out, atol=1e-6))
 # own keys and values to self-attention's `cache`.
 
 # %%
-print(inspect.getsource(MultiHeadAttention.forward))
-print(inspect.getsource(MultiHeadAttention.heads))
+show(MultiHeadAttention.forward)
+show(MultiHeadAttention.heads)
 source_attention = MultiHeadAttention(d_model, h, self_attention=False).eval()
 memory = torch.randn(B, 7, d_model)  # an encoder output of 7 source tokens
 k, v = source_attention.memory_heads(memory)
@@ -175,7 +189,7 @@ print("decoder states", tuple(x.shape), "attending to it ->", tuple(source_atten
 # `is_causal`, so here it shows in the decoder's weights. One `Mask` says both, for each attention:
 
 # %%
-print(inspect.getsource(Mask))
+show(Mask)
 tiny = dict(d_model=d_model, d_ff=d_ff, h=h, dropout=0.0, tie_embeddings=True)
 model = make_model(src_vocab=10, tgt_vocab=10, pad=PAD, N=1, norm="pre", **tiny).eval()
 src_mask = model.src_mask(tokens)
@@ -215,9 +229,9 @@ fig.tight_layout()
 # %%
 ffn = FeedForward(d_model, d_ff)
 print("FFN:", ffn.w_1, "->", ffn.w_2, "; shape in", tuple(x.shape), "out", tuple(ffn(x).shape))
-print(inspect.getsource(Residual.forward))
-print(inspect.getsource(EncoderLayer.forward))
-print(inspect.getsource(DecoderLayer.forward))
+show(Residual.forward)
+show(EncoderLayer.forward)
+show(DecoderLayer.forward)
 
 # %% [markdown]
 # ## Pre-norm and post-norm
@@ -261,7 +275,7 @@ for i, (post, pre) in enumerate(zip(scales["post"], scales["pre"]), 1):
 # The model's forward pass for training, encoder then decoder over the whole target at once:
 
 # %%
-print(inspect.getsource(Transformer.forward))
+show(Transformer.forward)
 paper_base = dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, norm="post", tie_embeddings=True)
 with torch.device("meta"):
     base = make_model(src_vocab=37000, tgt_vocab=37000, pad=PAD, **paper_base)
@@ -416,6 +430,7 @@ print(f"that is {updates_made / epochs:.0f} updates an epoch; the paper's base m
 # the run ends on settled weights ("train.cooldown" rows).
 
 # %%
+show(rate)
 train = params.train
 total = reference["steps"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2))
@@ -515,7 +530,7 @@ ax.legend()
 # gradient written out for speed, `transformer/kernels/loss.py`):
 
 # %%
-print(inspect.getsource(Loss.rdrop))
+show(Loss.rdrop)
 
 # %% [markdown]
 # Both passes of a batch go in as one batch of twice the rows. With dropout on, they differ and
@@ -602,6 +617,8 @@ print(f"the rate's peak, at update 100: {rate(100, toy['d_model'], factor=1.0, w
 # (with `</s>`) plus 2.
 
 # %%
+show(greedy)
+show(one_path)
 copier.eval()
 test = random_corpus(pairs=200, longest=6, words=8, seed=3)
 batch = test.batch(list(range(len(test))))

@@ -933,13 +933,15 @@ def _toy_batches(vocab_dir, multiple: int, count: int):
 def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
     """Model, generator and loss under torch.compile (aot_eager: the graphs dynamo captures, run without
     a C++ build), on batches of changing shapes, with partial R-Drop as the default recipe trains."""
+    from transformer.data.vocab import PAD
+    from transformer.training.loss import Loss
     from transformer.training.train import StepLoss, compiled
 
     batches = _toy_batches(vocab_dir, 8, 3)
     assert len({b.src.shape for b in batches}) > 1
     torch.manual_seed(0)
     model = tiny_model(src_vocab=120, tgt_vocab=120, tie_embeddings=True).train()
-    step = StepLoss(model, 0.1, share=0.5)
+    step = StepLoss(model, Loss(PAD, 0.1), share=0.5)
     traced = compiled(step, "aot_eager")
     for batch in batches:
         results = []
@@ -958,8 +960,8 @@ def test_the_compiled_step_gives_the_eager_steps_loss_and_gradients(vocab_dir):
 def test_compiled_training_traces_a_few_graphs_for_an_epoch_of_changing_shapes(
     tmp_path, vocab_dir, monkeypatch, caplog
 ):
-    """train.compile with dropout and R-Drop on half the sentences (the default recipe's): our CPU dropout
-    masks and R-Drop's written-out loss must not break the graph at each call, nor each shape retrace."""
+    """train.compile with dropout and R-Drop on half the sentences (the default recipe's), as training
+    compiles it (the plain step, no CPU twin): no shape may retrace."""
     import torch._dynamo.utils
 
     import transformer.training.train as train_module

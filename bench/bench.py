@@ -368,7 +368,6 @@ def decode_row(
         "dtype": "fp32",
         "sentences": len(sources),
         "seconds": round(seconds, 3),
-        "warmup_s": round(clock.warmup_s, 3),
         "target_tokens": tokens,
         "forced_length_held": tokens == expected,
         "tokens_per_s": round(tokens / seconds, 1),

@@ -172,3 +172,13 @@ def test_rows_are_asked_for_by_name_and_an_unknown_name_is_refused_with_the_name
 
     result = CliRunner().invoke(bench.main, ["--rows", "plain-fp32,c"])
     assert result.exit_code == 2 and "no row c; the rows: ours-256, baseline-256," in result.output
+
+
+def test_the_decoding_rows_decode_every_sentence_to_its_forced_length(data):
+    rows = bench.decoding_rows(TINY, data, PLAN)
+    assert [(r["key"], r["vs"]) for r in rows] == [
+        ("greedy", "baseline-greedy"),
+        ("beam", "baseline-greedy"),
+        ("baseline-greedy", None),
+    ]
+    assert all(r["forced_length_held"] and r["sentences"] == PLAN.decode_sentences for r in rows)

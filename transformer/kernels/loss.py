@@ -39,22 +39,24 @@ class FusedLoss(Loss):
     Only on a CPU, whose host knows the count of the non-pad positions without waiting for a device."""
 
     def forward(self, generator, hidden, tgt_out, smoothing=None) -> torch.Tensor:
-        spec = LossSpec(self.pad, self.smoothing if smoothing is None else smoothing, self.zero_pad)
-        if not self._fuses(generator, tgt_out):
-            return super().forward(generator, hidden, tgt_out, smoothing)
         keep = tgt_out != self.pad
+        if not self._fuses(generator, keep):
+            return super().forward(generator, hidden, tgt_out, smoothing)
+        spec = LossSpec(self.pad, self.smoothing if smoothing is None else smoothing, self.zero_pad)
         return fused_loss(generator, hidden[keep], tgt_out[keep], spec)
 
     def rdrop(self, generator, hidden, tgt_out, alpha) -> torch.Tensor:
-        if not self._fuses(generator, tgt_out):
-            return super().rdrop(generator, hidden, tgt_out, alpha)
         both = tgt_out.repeat(2, 1)  # the rows: the first pass's, then the second's
         keep = both != self.pad
+        if not self._fuses(generator, keep):
+            return super().rdrop(generator, hidden, tgt_out, alpha)
         return fused_loss(generator, hidden[keep], both[keep], LossSpec(self.pad, self.smoothing, self.zero_pad, alpha))
 
-    def _fuses(self, generator, tgt_out) -> bool:
-        """Whether there are rows to fuse, with a generator whose math fused_loss repeats."""
-        return isinstance(generator, nn.Linear) and bool((tgt_out != self.pad).any())
+    @staticmethod
+    def _fuses(generator, keep: torch.Tensor) -> bool:
+        """Whether there are rows to fuse (`keep`: the non-pad positions), with a generator whose math
+        fused_loss repeats."""
+        return isinstance(generator, nn.Linear) and bool(keep.any())
 
 
 def fused_loss(generator: nn.Linear, rows: torch.Tensor, target: torch.Tensor, spec: LossSpec) -> torch.Tensor:

@@ -361,19 +361,26 @@ def test_a_lone_request_is_not_held_for_the_window_and_a_bad_setting_is_named(py
         mlflow.pyfunc.load_model(str(pyfunc_dir))
 
 
-def test_in_the_servers_event_loop_every_admitted_request_reaches_predict_at_once(pyfunc_dir):
-    """MLflow's server runs predict through asyncio.to_thread; the default pool (cores + 4 threads)
-    would hold all but a few concurrent requests back from the batcher."""
-    import asyncio
-    import threading
-
+@pytest.mark.slow
+def test_in_the_server_every_admitted_request_reaches_predict_at_once(tmp_path):
+    """MLflow's server runs predict through asyncio.to_thread, whose default pool (cores + 4 threads)
+    would hold all but a few concurrent requests back from the batcher. The model here answers only
+    when ADMITTED requests are inside predict together."""
     import mlflow
+    from served_barrier import PARTIES, BarrierModel
 
     from transformer.serving.serving import ADMITTED
 
-    async def serve() -> None:
-        mlflow.pyfunc.load_model(str(pyfunc_dir))  # as the server loads it: inside its running event loop
-        together = threading.Barrier(ADMITTED)  # broken after 10 s unless ADMITTED threads wait at once
-        await asyncio.gather(*(asyncio.to_thread(together.wait, 10) for _ in range(ADMITTED)))
-
-    asyncio.run(serve())
+    code = Path(__file__).with_name("served_barrier.py")
+    mlflow.pyfunc.save_model(tmp_path / "barrier", python_model=BarrierModel(), code_paths=[str(code)])
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with log_path.open("w") as log, pytest.MonkeyPatch.context() as env:
+        env.setenv(PARTIES, str(ADMITTED))
+        server = _served(port, tmp_path / "barrier", timeout=60, log=log, cwd=tmp_path)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/ping", server, log_path.read_text)
+        with ThreadPoolExecutor(ADMITTED) as pool:
+            answers = list(pool.map(lambda i: _post(port, json.dumps({"inputs": [str(i)]})), range(ADMITTED)))
+    finally:
+        stop_group(server)
+    assert answers == [(200, json.dumps({"predictions": [str(i)]})) for i in range(ADMITTED)], answers[:3]

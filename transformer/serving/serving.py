@@ -4,10 +4,14 @@ this package's code; it decodes with the model's own decode params."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import logging
 import sys
 import time
+import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,7 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         from transformer.decoding.translate import Translator
 
         _clip_server_errors()
-        _admit_concurrent_requests()
+        admit_concurrent_requests()
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
@@ -131,22 +135,34 @@ def _clip_server_errors() -> None:
     server.invocations = clipping
 
 
-def _admit_concurrent_requests() -> None:
+def admit_concurrent_requests() -> None:
     """In the process of MLflow's scoring server: up to ADMITTED requests reach predict at once.
 
-    The server runs each request's predict through asyncio.to_thread, on its event loop's default
-    pool of min(32, cores + 4) threads: on 2 cores a seventh concurrent request waited for a thread
-    before the batcher could see it, so no search ever held more than six requests. A thread in
-    predict spends its time waiting for its search, so a wider pool costs little. The server loads
-    the model inside its running event loop; anywhere else (a notebook, a test) nothing changes."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
+    The server runs each request's predict through its module's `asyncio.to_thread`, on the event
+    loop's default pool of min(32, cores + 4) threads: on 2 cores a seventh concurrent request waited
+    for a thread before the batcher could see it, so no search held more than six requests. The
+    server loads the model before its event loop exists (uvicorn imports the app first), so no loop's
+    pool can be set here; the server module's view of asyncio is given a `to_thread` on a pool of its
+    own instead, once. A thread in predict spends its time waiting for its search, so a wide pool
+    costs little. Anywhere else (a notebook, a test) nothing changes."""
+    server = sys.modules.get("mlflow.pyfunc.scoring_server")  # imported by the server before the model loads
+    if server is not None and not isinstance(server.asyncio, _Admitting):
+        server.asyncio = _Admitting()
 
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=ADMITTED, thread_name_prefix="predict"))
+
+class _Admitting(types.ModuleType):
+    """asyncio, but `to_thread` runs on a pool of ADMITTED threads."""
+
+    def __init__(self) -> None:
+        super().__init__("asyncio")
+        self.pool = ThreadPoolExecutor(max_workers=ADMITTED, thread_name_prefix="predict")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def to_thread(self, func, /, *args, **kwargs):
+        call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)  # as asyncio's does
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
 
 
 def _batching(default_tokens: int) -> tuple[float, int, int]:

@@ -5,8 +5,8 @@
 # by section next to the code that
 # trains this project's models, as [The Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/)
 # reads it next to its own. No cell below defines a layer of its own: each prints the package's
-# own code (`show`: the source, under its file and first line), the very classes the pipeline
-# trains, then builds them at toy size and shows what they do.
+# own code (`show`: the source, under a link to its file and lines on the repository), the very
+# classes the pipeline trains, then builds them at toy size and shows what they do.
 # That code is the paper's alone; on a CPU, training swaps in faster twins of a few of these modules,
 # each held by a test to the plain one (`transformer/kernels/`, [speed](speed.md)).
 # The layout follows the paper: the model (section 3), training (section 5), decoding (section 6),
@@ -48,10 +48,12 @@ from transformer.training.train import make_optimizer
 
 
 def show(code) -> None:
-    """Prints the package's source of `code` (a class, function or method) under its file and first line."""
+    """Prints the package's source of `code` (a class, function or method) under its file and lines,
+    which the page's renderer turns into a link to them on the repository."""
     code = inspect.unwrap(code)  # a decorated function's own source, not its decorator's
     lines, first = inspect.getsourcelines(code)
-    print(f"# {Path(inspect.getsourcefile(code)).relative_to(Path(transformer.__file__).parents[1])}, line {first}")
+    path = Path(inspect.getsourcefile(code)).relative_to(Path(transformer.__file__).parents[1])
+    print(f"# {path.as_posix()}, lines {first}-{first + len(lines) - 1}")
     print("".join(lines))
 
 

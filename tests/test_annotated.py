@@ -12,10 +12,15 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "docs" / "tools"))
-from render import Cell, CellError, cells, run  # noqa: E402
+from render import Cell, CellError, _printout, cells, run  # noqa: E402
 
 SOURCE, PAGE = ROOT / "docs" / "annotated.py", ROOT / "docs" / "annotated.md"
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+# A file's lines as render.py writes them: a link to them on the repository, then the lines as Python.
+LISTING = re.compile(
+    r"^\[`(?P<path>[^`]+)`, lines (?P<first>\d+)–(?P<last>\d+)\]\((?P<url>[^)]+)\)\n\n```python\n(?P<code>.*?)\n```$",
+    flags=re.M | re.S,
+)
 
 
 def figures(page: Path) -> list[str]:
@@ -24,7 +29,8 @@ def figures(page: Path) -> list[str]:
 
 
 def code_blocks(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)\n```", page.read_text(), flags=re.S)
+    """The cells' code a page shows (not the package's source it prints)."""
+    return re.findall(r"```python\n(.*?)\n```", LISTING.sub("", page.read_text()), flags=re.S)
 
 
 @pytest.mark.slow
@@ -79,6 +85,22 @@ def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):
     with pytest.raises(CellError, match=r"cell 2 failed(.|\n)*ZeroDivisionError"):
         run(source, tmp_path / "page.md")
     assert not (tmp_path / "page.md").exists()
+
+
+def test_a_printed_listing_becomes_a_link_to_its_lines_above_them_as_python():
+    lines = (ROOT / "transformer" / "training" / "schedule.py").read_text().splitlines()
+    printed = "\n".join(["before", "# transformer/training/schedule.py, lines 2-3", *lines[1:3], "", "after"])
+    page = "\n".join(_printout(printed, "https://example.org/repo/blob/main"))
+    listing = LISTING.search(page)
+    assert listing and listing["code"] == "\n".join(lines[1:3])
+    assert listing["url"] == "https://example.org/repo/blob/main/transformer/training/schedule.py#L2-L3"
+    assert page.index("before") < listing.start() and listing.end() < page.index("after")
+
+
+def test_a_listing_that_is_not_the_files_lines_is_refused():
+    printed = "# transformer/training/schedule.py, lines 2-3\nnot the file's\nlines\n"
+    with pytest.raises(ValueError, match="not the file's"):
+        _printout(printed, "https://example.org/repo/blob/main")
 
 
 def test_the_page_shows_r_drops_loss_as_the_package_writes_it_today():

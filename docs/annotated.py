@@ -37,7 +37,8 @@ from transformer.config import load_params
 from transformer.data.batching import ParallelCorpus, token_batches
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
-from transformer.decoding.search import beam_search_nbest, greedy, length_penalty, one_path
+from transformer.decoding import search
+from transformer.decoding.search import beam_search, beam_search_nbest, greedy, length_penalty, one_path
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
@@ -93,9 +94,10 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 #   PE_{(pos, 2i+1)} = \cos\left(pos / 10000^{2i/d_\text{model}}\right)$$
 #
 # Low dimensions change from one position to the next, high ones barely move, so every position
-# gets a distinct pattern and nearby positions get similar ones. `PositionalEncoding` adds the
-# table to its input (it grows the table when a longer input arrives); fed zeros, it returns the
-# table itself.
+# gets a distinct pattern and nearby positions get similar ones. `Embeddings` is the lookup and
+# its factor; `PositionalEncoding` computes the table once and adds it to its input (it grows the
+# table when a longer input arrives, and decoding passes the `start` of the positions it adds);
+# fed zeros, it returns the table itself.
 #
 # Why a formula and not a learned vector per position? Section 3.5 reports that learned positional
 # embeddings scored nearly the same, and keeps the sinusoids because they may let the model
@@ -106,7 +108,8 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 # shows once `make_model` has drawn the initial weights, below.
 
 # %%
-show(PositionalEncoding._table)
+show(Embeddings)
+show(PositionalEncoding)
 embed = Embeddings(vocab=10, d_model=d_model)
 tokens = torch.tensor([[4, 5, 6, 7, 1], [8, 9, 1, PAD, PAD]])  # (B, T)
 print("embeddings:", tuple(embed(tokens).shape), " scale sqrt(d_model) =", embed.scale)
@@ -229,6 +232,7 @@ fig.tight_layout()
 # encoder's output (the memory) between its masked self-attention and its feed-forward network.
 
 # %%
+show(FeedForward)
 ffn = FeedForward(d_model, d_ff)
 print("FFN:", ffn.w_1, "->", ffn.w_2, "; shape in", tuple(x.shape), "out", tuple(ffn(x).shape))
 show(Residual.forward)
@@ -274,9 +278,11 @@ for i, (post, pre) in enumerate(zip(scales["post"], scales["pre"]), 1):
 # vocabulary share one matrix, as in section 3.4. The paper's base model, on a shared vocabulary
 # of 37,000 BPE pieces, is counted below without allocating it (on torch's `meta` device). The
 # paper gives 65M parameters for it (Table 3); the default recipe of this project is much smaller.
-# The model's forward pass for training, encoder then decoder over the whole target at once:
+# `make_model`, then the model's forward pass for training, encoder then decoder over the whole
+# target at once:
 
 # %%
+show(make_model)
 show(Transformer.forward)
 paper_base = dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, norm="post", tie_embeddings=True)
 with torch.device("meta"):
@@ -474,9 +480,31 @@ for group in optimizer.param_groups:
 #
 # `smoothed_cross_entropy` spreads the mass over every column, as torch's `label_smoothing` does;
 # with `zero_pad` (`train.smoothing_zeroes_pad`) it spreads it over the columns that are neither
-# the reference token nor `<blank>`, as the Annotated Transformer does. The target distribution is
-# not stored anywhere, but the loss's gradient with respect to the logits is the model's
-# distribution minus the target, so the target can be read back from the loss itself:
+# the reference token nor `<blank>`, as the Annotated Transformer does. `Loss` is what training
+# calls: the generator's logits of the decoder's states, in float32 at least, against the target
+# tokens. Padding is no token to predict, so a `<blank>` target adds nothing (`ignore_index`).
+# The loss is a sum, not a mean: an update divides it once by all its target tokens, however many
+# micro-batches and processes share them.
+
+# %%
+show(smoothed_cross_entropy)
+show(Loss.forward)
+criterion = Loss(PAD, smoothing=params.train.label_smoothing)
+with torch.no_grad():
+    hidden = model(tokens, tokens)  # the tiny batch as the input and as the target, (B, T, d_model)
+    summed = criterion(model.generator, hidden, tokens)
+    nll = criterion(model.generator, hidden, tokens, smoothing=0.0)
+    other = hidden.masked_fill((tokens == PAD)[..., None], 7.0)  # other states where the target is <blank>
+    unchanged = torch.equal(criterion(model.generator, other, tokens), summed)
+real = int((tokens != PAD).sum())
+print(f"{real} of the {tokens.numel()} targets are not <blank>; loss {summed:.3f} in all, {summed / real:.3f} a token")
+print(f"smoothing 0, the NLL that validation measures: {nll / real:.3f} a token")
+print("other states where the target is <blank>, the same loss:", unchanged)
+
+# %% [markdown]
+# The target distribution is not stored anywhere, but the loss's gradient with respect to the
+# logits is the model's distribution minus the target, so the target can be read back from the
+# loss itself:
 
 # %%
 vocab, smoothing = 8, 0.4  # a large smoothing, for the picture's sake
@@ -630,6 +658,30 @@ wanted = [row[row != PAD][:-1].tolist() for row in batch.tgt_out]  # each target
 print(f"greedy: {sum(f == w for f, w in zip(found, wanted))} of {len(test)} new sequences copied exactly")
 for f, w in list(zip(found, wanted))[:3]:
     print("  source", w, "-> output", f)
+
+# %% [markdown]
+# ### Beam search
+#
+# `beam_search` leaves a beam of 1 to greedy search, and otherwise takes the best of the
+# hypotheses that `_beam` finished. `_beam` searches a batch of sentences at once, with $K$ rows a
+# sentence for its $K$ hypotheses (`beam`); the encoder runs once a sentence. The rows start as
+# $K$ copies of `<s>`, all but the first at a score of $-\infty$, so that the first step does not
+# pick one continuation $K$ times. At each step, every hypothesis is extended by every token, its
+# score the sum of its tokens' log-probabilities, and the $2K$ best continuations of each sentence
+# are kept: enough to hold $K$ that do not end in `</s>`. Those that end in `</s>` and rank among
+# the first $K$ are finished, their score divided by the length penalty (`_finish_eos`); the $K$
+# best of the others go on, and the decoder's cached keys and values follow them
+# (`state.select`). A sentence is done when $K$ of its hypotheses have finished, or at its length
+# limit, where the live ones are finished as they are (`_finish_long`). On the copier: beam 4 over
+# the 200 new sequences, and the 4 best hypotheses of the first.
+
+# %%
+show(beam_search)
+show(search._beam)
+show(search._finish_eos)
+show(search._finish_long)
+beamed = beam_search(copier, batch.src, beam=4, alpha=0.6, max_len=limit, bos=BOS, eos=EOS)
+print(f"beam 4: {sum(f == w for f, w in zip(beamed, wanted))} of {len(test)} new sequences copied exactly")
 nbest = beam_search_nbest(copier, batch.src[:1], beam=4, alpha=0.6, max_len=limit[:1], bos=BOS, eos=EOS, nbest=4)
 print("beam 4, the hypotheses of", wanted[0], "best first:")
 for hypothesis in nbest[0]:
@@ -643,6 +695,12 @@ for hypothesis in nbest[0]:
 # among them, nearly impossible, so the runners-up that finish can include the empty one. It
 # ranks last or near it, and the best hypothesis is the one a translation uses. (The list above
 # may or may not show one: a machine that rounds differently trains a slightly different copier.)
+#
+# The same rule can cost a sentence its best hypothesis. The search stops a sentence once `beam`
+# hypotheses have finished, so when runners-up ending in `</s>` fill those places while the best
+# one, far more probable, is still being written, the best is never finished and a shorter copy
+# wins. Greedy search has no runners-up and cannot lose its one hypothesis that way, which is how
+# beam search can copy fewer sequences than greedy search above.
 #
 # The length penalty is where this project departs from the paper: `decode.alpha` was tuned on
 # Multi30k's validation set, and values well above the paper's 0.6 won ("decode α" rows of

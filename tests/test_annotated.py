@@ -3,12 +3,14 @@ runs without a failing cell and draws every figure, and the committed page is th
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "docs" / "tools"))
@@ -103,15 +105,43 @@ def test_a_listing_that_is_not_the_files_lines_is_refused():
         _printout(printed, "https://example.org/repo/blob/main")
 
 
-def test_the_page_shows_r_drops_loss_as_the_package_writes_it_today():
-    """The page prints the package's Loss.rdrop with inspect.getsource; a change to it needs a new render."""
-    import inspect
+def shown_parts() -> dict[str, object]:
+    """Every part of the model, its training and its decoding that the page must print, by the name
+    the page's `show(...)` gives it."""
+    from transformer.decoding import search
+    from transformer.model.attention import Mask, MultiHeadAttention
+    from transformer.model.embeddings import Embeddings, PositionalEncoding
+    from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
+    from transformer.model.model import Transformer, make_model
+    from transformer.training.loss import Loss, smoothed_cross_entropy
+    from transformer.training.schedule import rate
 
-    from transformer.training.loss import Loss
+    parts = [Embeddings, PositionalEncoding, MultiHeadAttention.attend, MultiHeadAttention.forward]
+    parts += [MultiHeadAttention.heads, Mask, FeedForward, Residual.forward, EncoderLayer.forward]
+    parts += [DecoderLayer.forward, make_model, Transformer.forward, rate, smoothed_cross_entropy, Loss.forward]
+    parts += [Loss.rdrop, search.greedy, search.one_path, search.beam_search]
+    named = {part.__qualname__: part for part in parts}
+    return named | {f"search.{name}": getattr(search, name) for name in ("_beam", "_finish_eos", "_finish_long")}
 
+
+@pytest.mark.parametrize("name", shown_parts())
+def test_the_page_prints_each_part_from_the_package_as_it_is_today_under_a_link_to_its_lines(name):
+    """A part's source is printed by show() at build time, never copied into the script; the committed
+    page holds it as the package writes it now, under a link to its file and lines on the repository."""
+    part = inspect.unwrap(shown_parts()[name])
     code = "\n".join(c.text for c in cells(SOURCE.read_text()) if c.kind == "code")
-    assert "def rdrop" not in code, "the page copies Loss.rdrop instead of printing the package's"
-    assert inspect.getsource(Loss.rdrop).rstrip("\n") in PAGE.read_text(), "docs/annotated.md shows an old Loss.rdrop"
+    assert f"show({name})" in code, f"docs/annotated.py does not show {name}"
+    lines, first = inspect.getsourcelines(part)
+    copied = [line.strip() for line in lines if len(line.strip()) > 30 and line.strip() in code]
+    assert not copied, f"docs/annotated.py copies {name}'s source instead of printing it: {copied[0]!r}"
+    listings = {listing["code"]: listing for listing in LISTING.finditer(PAGE.read_text())}
+    listing = listings.get("".join(lines).rstrip("\n"))
+    assert listing, f"docs/annotated.md shows no {name} or an old one: run python docs/tools/render.py"
+    path = Path(inspect.getsourcefile(part)).relative_to(ROOT).as_posix()
+    last = first + len(lines) - 1
+    repository = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"].rstrip("/")
+    assert (listing["path"], int(listing["first"]), int(listing["last"])) == (path, first, last)
+    assert listing["url"] == f"{repository}/blob/main/{path}#L{first}-L{last}", f"{name}'s link points elsewhere"
 
 
 def test_the_page_prints_the_readme_scores_of_the_default_and_the_annotated_transformers_recipe():

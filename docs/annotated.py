@@ -31,6 +31,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 import yaml
+from matplotlib.patches import FancyBboxPatch
 
 import transformer
 from transformer.config import load_params
@@ -73,6 +74,99 @@ print("special tokens:", dict(zip(SPECIALS, range(len(SPECIALS)))))
 # wrapped in a residual connection and a layer normalization. The tokens enter as embeddings with
 # their positions added; the decoder's last vectors are projected onto the vocabulary.
 #
+# The figure draws the model as this project builds it, left to right. The encoder's layers
+# attend over the source (self-attention); the decoder's attend over the target written so far
+# (masked self-attention) and over the encoder's output, the memory (source attention). Each
+# sub-layer's output is added to its input, the `+` with the path under the box. Where the layer
+# normalization sits is the one difference between the paper's post-norm and this project's
+# pre-norm, drawn at the bottom and explained below. The cell only draws boxes and arrows.
+
+# %%
+COLORS = {"attention": "#fbd9b5", "ffn": "#cfe2f3", "norm": "#d5ecc9", "embed": "#e4daf2", "other": "#e6e6e6"}
+ROUNDED = "round,pad=0,rounding_size=0.08"
+
+
+def draw_box(ax, x, y, width, text, kind, dashed=False):
+    """A box from x to x + width centred on y; returns its right edge."""
+    style = dict(facecolor=COLORS[kind], edgecolor="0.3", linestyle="--" if dashed else "-")
+    ax.add_patch(FancyBboxPatch((x, y - 0.35), width, 0.7, ROUNDED, **style))
+    ax.text(x + width / 2, y, text, ha="center", va="center")
+    return x + width
+
+
+def draw_path(ax, *points):
+    """Straight lines through the points, an arrowhead at the last."""
+    xs, ys = zip(*points)
+    ax.plot(xs[:-1], ys[:-1], color="0.3", lw=1.1)
+    ax.annotate("", points[-1], points[-2], arrowprops=dict(arrowstyle="-|>", color="0.3", lw=1.1, shrinkB=0))
+
+
+def draw_sublayer(ax, x, y, boxes):
+    """The boxes (text, kind, width) in a row after x, then the sum, the residual path drawn under
+    them; returns the sum's right edge."""
+    start = x + 0.1
+    for text, kind, width in boxes:
+        draw_path(ax, (x, y), (x + 0.22, y))
+        x = draw_box(ax, x + 0.22, y, width, text, kind)
+    plus = x + 0.34
+    draw_path(ax, (x, y), (plus - 0.13, y))
+    ax.plot(plus, y, "o", ms=14, mfc="white", mec="0.3")
+    ax.text(plus, y, "+", ha="center", va="center", fontsize=12)
+    draw_path(ax, (start, y), (start, y - 0.55), (plus, y - 0.55), (plus, y - 0.13))
+    return plus + 0.13
+
+
+def draw_stack(ax, y, right, top, label):
+    """The dotted frame of a layer that the stack repeats N times."""
+    style = dict(facecolor="none", edgecolor="0.55", linestyle=":", lw=1.4)
+    ax.add_patch(FancyBboxPatch((1.26, y - 0.72), right - 1.26, 0.72 + top, ROUNDED, **style))
+    ax.text(1.32, y + top - 0.05, label, ha="left", va="top", style="italic", color="0.35")
+
+
+fig, ax = plt.subplots(figsize=(9, 7.5))  # as wide as the page's column, so that its text keeps its size
+ax.set(xlim=(0, 9), ylim=(-0.3, 7.2), title="the model: encoder and decoder stacks, and a sub-layer two ways")
+ax.set_position([0, 0, 1, 1])  # a unit of the axes is an inch of the figure
+ax.axis("off")
+encoder, decoder = 6.2, 3.75  # the rows' heights
+for y, tokens in ((encoder, "source tokens"), (decoder, "<s>, then the\ntarget tokens")):
+    draw_box(ax, 0.05, y, 1.15, "embedding\n× √d_model\n+ positions", "embed")
+    draw_path(ax, (0.625, y - 0.75), (0.625, y - 0.35))
+    ax.text(0.625, y - 0.8, tokens, ha="center", va="top")
+x = draw_sublayer(ax, 1.2, encoder, [("self-attention\n(padding mask)", "attention", 1.35)])
+x = draw_sublayer(ax, x, encoder, [("feed-forward", "ffn", 1.1)])
+draw_stack(ax, encoder, x + 0.08, 0.62, "encoder layer, × N")
+draw_path(ax, (x, encoder), (x + 0.35, encoder))
+memory = draw_box(ax, x + 0.35, encoder, 1.0, "LayerNorm\n(pre-norm)", "norm", dashed=True)
+x = draw_sublayer(ax, 1.2, decoder, [("masked\nself-attention\n(causal mask)", "attention", 1.35)])
+source = x + 0.22 + 0.75  # the middle of source attention's box
+x = draw_sublayer(ax, x, decoder, [("source attention\n(encoder–decoder)", "attention", 1.5)])
+x = draw_sublayer(ax, x, decoder, [("feed-forward", "ffn", 1.1)])
+draw_stack(ax, decoder, x + 0.08, 0.8, "decoder layer, × N")
+draw_path(ax, (x, decoder), (x + 0.35, decoder))
+x = draw_box(ax, x + 0.35, decoder, 1.0, "LayerNorm\n(pre-norm)", "norm", dashed=True)
+draw_path(ax, (x - 0.5, decoder - 0.35), (x - 0.5, decoder - 0.75))
+draw_box(ax, x - 1.0, decoder - 1.1, 1.0, "linear (the\nembedding)\n+ softmax", "other")
+draw_path(ax, (x - 0.5, decoder - 1.45), (x - 0.5, decoder - 1.8))
+ax.text(x - 0.5, decoder - 1.85, "next-token probabilities", ha="center", va="top")
+draw_path(
+    ax, (memory, encoder), (memory + 0.25, encoder), (memory + 0.25, 4.85), (source, 4.85), (source, decoder + 0.35)
+)
+ax.text(memory + 0.15, 4.9, "memory: keys and values", ha="right", va="bottom")
+ax.axhline(1.55, 0.01, 0.99, color="0.8", lw=0.8)
+post = [("sub-layer", "attention", 0.9), ("dropout", "other", 0.8)]
+for left, boxes, after, label in (
+    (0.0, post, True, "post-norm, the paper:\nLayerNorm(x + Sublayer(x))"),
+    (4.55, [("LayerNorm", "norm", 1.0), *post], False, "pre-norm, our default: x + Sublayer(LayerNorm(x)),"),
+):
+    ax.text(left + 0.05, 1.4, label, va="top")
+    x = draw_sublayer(ax, left, 0.45, boxes)
+    if after:
+        draw_path(ax, (x, 0.45), (x + 0.22, 0.45))
+        x = draw_box(ax, x + 0.22, 0.45, 1.0, "LayerNorm", "norm")
+    draw_path(ax, (x, 0.45), (x + 0.3, 0.45))
+ax.text(4.6, 1.2, "and a last LayerNorm on each stack", va="top")
+
+# %% [markdown]
 # The paper's names are the code's: `N`, `d_model`, `d_ff`, `h`, and params.yaml's `model` section
 # uses them too. The toy sizes of this page:
 

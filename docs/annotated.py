@@ -5,8 +5,8 @@
 # by section next to the code that
 # trains this project's models, as [The Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/)
 # reads it next to its own. No cell below defines a layer of its own: each prints the package's
-# own code (`show`: the source, under its file and first line), the very classes the pipeline
-# trains, then builds them at toy size and shows what they do.
+# own code (`show`: the source, under a link to its file and lines on the repository), the very
+# classes the pipeline trains, then builds them at toy size and shows what they do.
 # That code is the paper's alone; on a CPU, training swaps in faster twins of a few of these modules,
 # each held by a test to the plain one (`transformer/kernels/`, [speed](speed.md)).
 # The layout follows the paper: the model (section 3), training (section 5), decoding (section 6),
@@ -31,13 +31,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 import yaml
+from matplotlib.patches import FancyBboxPatch
 
 import transformer
 from transformer.config import load_params
 from transformer.data.batching import ParallelCorpus, token_batches
 from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
-from transformer.decoding.search import beam_search_nbest, greedy, length_penalty, one_path
+from transformer.decoding import search
+from transformer.decoding.search import beam_search, beam_search_nbest, greedy, length_penalty, one_path
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
@@ -48,10 +50,12 @@ from transformer.training.train import make_optimizer
 
 
 def show(code) -> None:
-    """Prints the package's source of `code` (a class, function or method) under its file and first line."""
+    """Prints the package's source of `code` (a class, function or method) under its file and lines,
+    which the page's renderer turns into a link to them on the repository."""
     code = inspect.unwrap(code)  # a decorated function's own source, not its decorator's
     lines, first = inspect.getsourcelines(code)
-    print(f"# {Path(inspect.getsourcefile(code)).relative_to(Path(transformer.__file__).parents[1])}, line {first}")
+    path = Path(inspect.getsourcefile(code)).relative_to(Path(transformer.__file__).parents[1])
+    print(f"# {path.as_posix()}, lines {first}-{first + len(lines) - 1}")
     print("".join(lines))
 
 
@@ -70,6 +74,99 @@ print("special tokens:", dict(zip(SPECIALS, range(len(SPECIALS)))))
 # wrapped in a residual connection and a layer normalization. The tokens enter as embeddings with
 # their positions added; the decoder's last vectors are projected onto the vocabulary.
 #
+# The figure draws the model as this project builds it, left to right. The encoder's layers
+# attend over the source (self-attention); the decoder's attend over the target written so far
+# (masked self-attention) and over the encoder's output, the memory (source attention). Each
+# sub-layer's output is added to its input, the `+` with the path under the box. Where the layer
+# normalization sits is the one difference between the paper's post-norm and this project's
+# pre-norm, drawn at the bottom and explained below. The cell only draws boxes and arrows.
+
+# %%
+COLORS = {"attention": "#fbd9b5", "ffn": "#cfe2f3", "norm": "#d5ecc9", "embed": "#e4daf2", "other": "#e6e6e6"}
+ROUNDED = "round,pad=0,rounding_size=0.08"
+
+
+def draw_box(ax, x, y, width, text, kind, dashed=False):
+    """A box from x to x + width centred on y; returns its right edge."""
+    style = dict(facecolor=COLORS[kind], edgecolor="0.3", linestyle="--" if dashed else "-")
+    ax.add_patch(FancyBboxPatch((x, y - 0.35), width, 0.7, ROUNDED, **style))
+    ax.text(x + width / 2, y, text, ha="center", va="center")
+    return x + width
+
+
+def draw_path(ax, *points):
+    """Straight lines through the points, an arrowhead at the last."""
+    xs, ys = zip(*points)
+    ax.plot(xs[:-1], ys[:-1], color="0.3", lw=1.1)
+    ax.annotate("", points[-1], points[-2], arrowprops=dict(arrowstyle="-|>", color="0.3", lw=1.1, shrinkB=0))
+
+
+def draw_sublayer(ax, x, y, boxes):
+    """The boxes (text, kind, width) in a row after x, then the sum, the residual path drawn under
+    them; returns the sum's right edge."""
+    start = x + 0.1
+    for text, kind, width in boxes:
+        draw_path(ax, (x, y), (x + 0.22, y))
+        x = draw_box(ax, x + 0.22, y, width, text, kind)
+    plus = x + 0.34
+    draw_path(ax, (x, y), (plus - 0.13, y))
+    ax.plot(plus, y, "o", ms=14, mfc="white", mec="0.3")
+    ax.text(plus, y, "+", ha="center", va="center", fontsize=12)
+    draw_path(ax, (start, y), (start, y - 0.55), (plus, y - 0.55), (plus, y - 0.13))
+    return plus + 0.13
+
+
+def draw_stack(ax, y, right, top, label):
+    """The dotted frame of a layer that the stack repeats N times."""
+    style = dict(facecolor="none", edgecolor="0.55", linestyle=":", lw=1.4)
+    ax.add_patch(FancyBboxPatch((1.26, y - 0.72), right - 1.26, 0.72 + top, ROUNDED, **style))
+    ax.text(1.32, y + top - 0.05, label, ha="left", va="top", style="italic", color="0.35")
+
+
+fig, ax = plt.subplots(figsize=(9, 7.5))  # as wide as the page's column, so that its text keeps its size
+ax.set(xlim=(0, 9), ylim=(-0.3, 7.2), title="the model: encoder and decoder stacks, and a sub-layer two ways")
+ax.set_position([0, 0, 1, 1])  # a unit of the axes is an inch of the figure
+ax.axis("off")
+encoder, decoder = 6.2, 3.75  # the rows' heights
+for y, tokens in ((encoder, "source tokens"), (decoder, "<s>, then the\ntarget tokens")):
+    draw_box(ax, 0.05, y, 1.15, "embedding\n× √d_model\n+ positions", "embed")
+    draw_path(ax, (0.625, y - 0.75), (0.625, y - 0.35))
+    ax.text(0.625, y - 0.8, tokens, ha="center", va="top")
+x = draw_sublayer(ax, 1.2, encoder, [("self-attention\n(padding mask)", "attention", 1.35)])
+x = draw_sublayer(ax, x, encoder, [("feed-forward", "ffn", 1.1)])
+draw_stack(ax, encoder, x + 0.08, 0.62, "encoder layer, × N")
+draw_path(ax, (x, encoder), (x + 0.35, encoder))
+memory = draw_box(ax, x + 0.35, encoder, 1.0, "LayerNorm\n(pre-norm)", "norm", dashed=True)
+x = draw_sublayer(ax, 1.2, decoder, [("masked\nself-attention\n(causal mask)", "attention", 1.35)])
+source = x + 0.22 + 0.75  # the middle of source attention's box
+x = draw_sublayer(ax, x, decoder, [("source attention\n(encoder–decoder)", "attention", 1.5)])
+x = draw_sublayer(ax, x, decoder, [("feed-forward", "ffn", 1.1)])
+draw_stack(ax, decoder, x + 0.08, 0.8, "decoder layer, × N")
+draw_path(ax, (x, decoder), (x + 0.35, decoder))
+x = draw_box(ax, x + 0.35, decoder, 1.0, "LayerNorm\n(pre-norm)", "norm", dashed=True)
+draw_path(ax, (x - 0.5, decoder - 0.35), (x - 0.5, decoder - 0.75))
+draw_box(ax, x - 1.0, decoder - 1.1, 1.0, "linear (the\nembedding)\n+ softmax", "other")
+draw_path(ax, (x - 0.5, decoder - 1.45), (x - 0.5, decoder - 1.8))
+ax.text(x - 0.5, decoder - 1.85, "next-token probabilities", ha="center", va="top")
+draw_path(
+    ax, (memory, encoder), (memory + 0.25, encoder), (memory + 0.25, 4.85), (source, 4.85), (source, decoder + 0.35)
+)
+ax.text(memory + 0.15, 4.9, "memory: keys and values", ha="right", va="bottom")
+ax.axhline(1.55, 0.01, 0.99, color="0.8", lw=0.8)
+post = [("sub-layer", "attention", 0.9), ("dropout", "other", 0.8)]
+for left, boxes, after, label in (
+    (0.0, post, True, "post-norm, the paper:\nLayerNorm(x + Sublayer(x))"),
+    (4.55, [("LayerNorm", "norm", 1.0), *post], False, "pre-norm, our default: x + Sublayer(LayerNorm(x)),"),
+):
+    ax.text(left + 0.05, 1.4, label, va="top")
+    x = draw_sublayer(ax, left, 0.45, boxes)
+    if after:
+        draw_path(ax, (x, 0.45), (x + 0.22, 0.45))
+        x = draw_box(ax, x + 0.22, 0.45, 1.0, "LayerNorm", "norm")
+    draw_path(ax, (x, 0.45), (x + 0.3, 0.45))
+ax.text(4.6, 1.2, "and a last LayerNorm on each stack", va="top")
+
+# %% [markdown]
 # The paper's names are the code's: `N`, `d_model`, `d_ff`, `h`, and params.yaml's `model` section
 # uses them too. The toy sizes of this page:
 
@@ -91,9 +188,10 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 #   PE_{(pos, 2i+1)} = \cos\left(pos / 10000^{2i/d_\text{model}}\right)$$
 #
 # Low dimensions change from one position to the next, high ones barely move, so every position
-# gets a distinct pattern and nearby positions get similar ones. `PositionalEncoding` adds the
-# table to its input (it grows the table when a longer input arrives); fed zeros, it returns the
-# table itself.
+# gets a distinct pattern and nearby positions get similar ones. `Embeddings` is the lookup and
+# its factor; `PositionalEncoding` computes the table once and adds it to its input (it grows the
+# table when a longer input arrives, and decoding passes the `start` of the positions it adds);
+# fed zeros, it returns the table itself.
 #
 # Why a formula and not a learned vector per position? Section 3.5 reports that learned positional
 # embeddings scored nearly the same, and keeps the sinusoids because they may let the model
@@ -104,7 +202,8 @@ print(f"d_model={d_model}, h={h}, d_k={d_model // h}, d_ff={d_ff}")
 # shows once `make_model` has drawn the initial weights, below.
 
 # %%
-show(PositionalEncoding._table)
+show(Embeddings)
+show(PositionalEncoding)
 embed = Embeddings(vocab=10, d_model=d_model)
 tokens = torch.tensor([[4, 5, 6, 7, 1], [8, 9, 1, PAD, PAD]])  # (B, T)
 print("embeddings:", tuple(embed(tokens).shape), " scale sqrt(d_model) =", embed.scale)
@@ -227,6 +326,7 @@ fig.tight_layout()
 # encoder's output (the memory) between its masked self-attention and its feed-forward network.
 
 # %%
+show(FeedForward)
 ffn = FeedForward(d_model, d_ff)
 print("FFN:", ffn.w_1, "->", ffn.w_2, "; shape in", tuple(x.shape), "out", tuple(ffn(x).shape))
 show(Residual.forward)
@@ -272,9 +372,11 @@ for i, (post, pre) in enumerate(zip(scales["post"], scales["pre"]), 1):
 # vocabulary share one matrix, as in section 3.4. The paper's base model, on a shared vocabulary
 # of 37,000 BPE pieces, is counted below without allocating it (on torch's `meta` device). The
 # paper gives 65M parameters for it (Table 3); the default recipe of this project is much smaller.
-# The model's forward pass for training, encoder then decoder over the whole target at once:
+# `make_model`, then the model's forward pass for training, encoder then decoder over the whole
+# target at once:
 
 # %%
+show(make_model)
 show(Transformer.forward)
 paper_base = dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1, norm="post", tie_embeddings=True)
 with torch.device("meta"):
@@ -472,9 +574,31 @@ for group in optimizer.param_groups:
 #
 # `smoothed_cross_entropy` spreads the mass over every column, as torch's `label_smoothing` does;
 # with `zero_pad` (`train.smoothing_zeroes_pad`) it spreads it over the columns that are neither
-# the reference token nor `<blank>`, as the Annotated Transformer does. The target distribution is
-# not stored anywhere, but the loss's gradient with respect to the logits is the model's
-# distribution minus the target, so the target can be read back from the loss itself:
+# the reference token nor `<blank>`, as the Annotated Transformer does. `Loss` is what training
+# calls: the generator's logits of the decoder's states, in float32 at least, against the target
+# tokens. Padding is no token to predict, so a `<blank>` target adds nothing (`ignore_index`).
+# The loss is a sum, not a mean: an update divides it once by all its target tokens, however many
+# micro-batches and processes share them.
+
+# %%
+show(smoothed_cross_entropy)
+show(Loss.forward)
+criterion = Loss(PAD, smoothing=params.train.label_smoothing)
+with torch.no_grad():
+    hidden = model(tokens, tokens)  # the tiny batch as the input and as the target, (B, T, d_model)
+    summed = criterion(model.generator, hidden, tokens)
+    nll = criterion(model.generator, hidden, tokens, smoothing=0.0)
+    other = hidden.masked_fill((tokens == PAD)[..., None], 7.0)  # other states where the target is <blank>
+    unchanged = torch.equal(criterion(model.generator, other, tokens), summed)
+real = int((tokens != PAD).sum())
+print(f"{real} of the {tokens.numel()} targets are not <blank>; loss {summed:.3f} in all, {summed / real:.3f} a token")
+print(f"smoothing 0, the NLL that validation measures: {nll / real:.3f} a token")
+print("other states where the target is <blank>, the same loss:", unchanged)
+
+# %% [markdown]
+# The target distribution is not stored anywhere, but the loss's gradient with respect to the
+# logits is the model's distribution minus the target, so the target can be read back from the
+# loss itself:
 
 # %%
 vocab, smoothing = 8, 0.4  # a large smoothing, for the picture's sake
@@ -628,6 +752,30 @@ wanted = [row[row != PAD][:-1].tolist() for row in batch.tgt_out]  # each target
 print(f"greedy: {sum(f == w for f, w in zip(found, wanted))} of {len(test)} new sequences copied exactly")
 for f, w in list(zip(found, wanted))[:3]:
     print("  source", w, "-> output", f)
+
+# %% [markdown]
+# ### Beam search
+#
+# `beam_search` leaves a beam of 1 to greedy search, and otherwise takes the best of the
+# hypotheses that `_beam` finished. `_beam` searches a batch of sentences at once, with $K$ rows a
+# sentence for its $K$ hypotheses (`beam`); the encoder runs once a sentence. The rows start as
+# $K$ copies of `<s>`, all but the first at a score of $-\infty$, so that the first step does not
+# pick one continuation $K$ times. At each step, every hypothesis is extended by every token, its
+# score the sum of its tokens' log-probabilities, and the $2K$ best continuations of each sentence
+# are kept: enough to hold $K$ that do not end in `</s>`. Those that end in `</s>` and rank among
+# the first $K$ are finished, their score divided by the length penalty (`_finish_eos`); the $K$
+# best of the others go on, and the decoder's cached keys and values follow them
+# (`state.select`). A sentence is done when $K$ of its hypotheses have finished, or at its length
+# limit, where the live ones are finished as they are (`_finish_long`). On the copier: beam 4 over
+# the 200 new sequences, and the 4 best hypotheses of the first.
+
+# %%
+show(beam_search)
+show(search._beam)
+show(search._finish_eos)
+show(search._finish_long)
+beamed = beam_search(copier, batch.src, beam=4, alpha=0.6, max_len=limit, bos=BOS, eos=EOS)
+print(f"beam 4: {sum(f == w for f, w in zip(beamed, wanted))} of {len(test)} new sequences copied exactly")
 nbest = beam_search_nbest(copier, batch.src[:1], beam=4, alpha=0.6, max_len=limit[:1], bos=BOS, eos=EOS, nbest=4)
 print("beam 4, the hypotheses of", wanted[0], "best first:")
 for hypothesis in nbest[0]:
@@ -641,6 +789,12 @@ for hypothesis in nbest[0]:
 # among them, nearly impossible, so the runners-up that finish can include the empty one. It
 # ranks last or near it, and the best hypothesis is the one a translation uses. (The list above
 # may or may not show one: a machine that rounds differently trains a slightly different copier.)
+#
+# The same rule can cost a sentence its best hypothesis. The search stops a sentence once `beam`
+# hypotheses have finished, so when runners-up ending in `</s>` fill those places while the best
+# one, far more probable, is still being written, the best is never finished and a shorter copy
+# wins. Greedy search has no runners-up and cannot lose its one hypothesis that way, which is how
+# beam search can copy fewer sequences than greedy search above.
 #
 # The length penalty is where this project departs from the paper: `decode.alpha` was tuned on
 # Multi30k's validation set, and values well above the paper's 0.6 won ("decode α" rows of

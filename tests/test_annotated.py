@@ -3,19 +3,26 @@ runs without a failing cell and draws every figure, and the committed page is th
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "docs" / "tools"))
-from render import Cell, CellError, cells, run  # noqa: E402
+from render import Cell, CellError, _printout, cells, run  # noqa: E402
 
 SOURCE, PAGE = ROOT / "docs" / "annotated.py", ROOT / "docs" / "annotated.md"
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+# A file's lines as render.py writes them: a link to them on the repository, then the lines as Python.
+LISTING = re.compile(
+    r"^\[`(?P<path>[^`]+)`, lines (?P<first>\d+)–(?P<last>\d+)\]\((?P<url>[^)]+)\)\n\n```python\n(?P<code>.*?)\n```$",
+    flags=re.M | re.S,
+)
 
 
 def figures(page: Path) -> list[str]:
@@ -24,7 +31,8 @@ def figures(page: Path) -> list[str]:
 
 
 def code_blocks(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)\n```", page.read_text(), flags=re.S)
+    """The cells' code a page shows (not the package's source it prints)."""
+    return re.findall(r"```python\n(.*?)\n```", LISTING.sub("", page.read_text()), flags=re.S)
 
 
 @pytest.mark.slow
@@ -81,15 +89,59 @@ def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):
     assert not (tmp_path / "page.md").exists()
 
 
-def test_the_page_shows_r_drops_loss_as_the_package_writes_it_today():
-    """The page prints the package's Loss.rdrop with inspect.getsource; a change to it needs a new render."""
-    import inspect
+def test_a_printed_listing_becomes_a_link_to_its_lines_above_them_as_python():
+    lines = (ROOT / "transformer" / "training" / "schedule.py").read_text().splitlines()
+    printed = "\n".join(["before", "# transformer/training/schedule.py, lines 2-3", *lines[1:3], "", "after"])
+    page = "\n".join(_printout(printed, "https://example.org/repo/blob/main"))
+    listing = LISTING.search(page)
+    assert listing and listing["code"] == "\n".join(lines[1:3])
+    assert listing["url"] == "https://example.org/repo/blob/main/transformer/training/schedule.py#L2-L3"
+    assert page.index("before") < listing.start() and listing.end() < page.index("after")
 
-    from transformer.training.loss import Loss
 
+def test_a_listing_that_is_not_the_files_lines_is_refused():
+    printed = "# transformer/training/schedule.py, lines 2-3\nnot the file's\nlines\n"
+    with pytest.raises(ValueError, match="not the file's"):
+        _printout(printed, "https://example.org/repo/blob/main")
+
+
+def shown_parts() -> dict[str, object]:
+    """Every part of the model, its training and its decoding that the page must print, by the name
+    the page's `show(...)` gives it."""
+    from transformer.decoding import search
+    from transformer.model.attention import Mask, MultiHeadAttention
+    from transformer.model.embeddings import Embeddings, PositionalEncoding
+    from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
+    from transformer.model.model import Transformer, make_model
+    from transformer.training.loss import Loss, smoothed_cross_entropy
+    from transformer.training.schedule import rate
+
+    parts = [Embeddings, PositionalEncoding, MultiHeadAttention.attend, MultiHeadAttention.forward]
+    parts += [MultiHeadAttention.heads, Mask, FeedForward, Residual.forward, EncoderLayer.forward]
+    parts += [DecoderLayer.forward, make_model, Transformer.forward, rate, smoothed_cross_entropy, Loss.forward]
+    parts += [Loss.rdrop, search.greedy, search.one_path, search.beam_search]
+    named = {part.__qualname__: part for part in parts}
+    return named | {f"search.{name}": getattr(search, name) for name in ("_beam", "_finish_eos", "_finish_long")}
+
+
+@pytest.mark.parametrize("name", shown_parts())
+def test_the_page_prints_each_part_from_the_package_as_it_is_today_under_a_link_to_its_lines(name):
+    """A part's source is printed by show() at build time, never copied into the script; the committed
+    page holds it as the package writes it now, under a link to its file and lines on the repository."""
+    part = inspect.unwrap(shown_parts()[name])
     code = "\n".join(c.text for c in cells(SOURCE.read_text()) if c.kind == "code")
-    assert "def rdrop" not in code, "the page copies Loss.rdrop instead of printing the package's"
-    assert inspect.getsource(Loss.rdrop).rstrip("\n") in PAGE.read_text(), "docs/annotated.md shows an old Loss.rdrop"
+    assert f"show({name})" in code, f"docs/annotated.py does not show {name}"
+    lines, first = inspect.getsourcelines(part)
+    copied = [line.strip() for line in lines if len(line.strip()) > 30 and line.strip() in code]
+    assert not copied, f"docs/annotated.py copies {name}'s source instead of printing it: {copied[0]!r}"
+    listings = {listing["code"]: listing for listing in LISTING.finditer(PAGE.read_text())}
+    listing = listings.get("".join(lines).rstrip("\n"))
+    assert listing, f"docs/annotated.md shows no {name} or an old one: run python docs/tools/render.py"
+    path = Path(inspect.getsourcefile(part)).relative_to(ROOT).as_posix()
+    last = first + len(lines) - 1
+    repository = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"].rstrip("/")
+    assert (listing["path"], int(listing["first"]), int(listing["last"])) == (path, first, last)
+    assert listing["url"] == f"{repository}/blob/main/{path}#L{first}-L{last}", f"{name}'s link points elsewhere"
 
 
 def test_the_page_prints_the_readme_scores_of_the_default_and_the_annotated_transformers_recipe():

@@ -1,5 +1,8 @@
 """Runs a percent-format script (`# %%` code cells, `# %% [markdown]` text cells) top to bottom and
 writes it as a Markdown page: each cell's code, what it printed, and the figures it drew as PNGs.
+A printout of a repository file's lines under the header `# FILE, lines A-B` (the page's `show`) is
+written as that file's source: a link to those lines on the repository (mkdocs.yml's `repo_url`)
+above them as Python.
 
     python docs/tools/render.py                      # docs/annotated.py -> docs/annotated.md, docs/annotated/
     python docs/tools/render.py --out /tmp/page.md   # the same run, written elsewhere
@@ -21,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = re.compile(r"^# %%(.*)$")
+LISTING = re.compile(r"^# (?P<path>(?:[\w-]+/)*[\w-]+\.py), lines (?P<first>\d+)-(?P<last>\d+)$")
+BRANCH = "main"  # the repository's branch that a listing's link points into
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ def run(source: Path, out: Path) -> int:
     for old in figures.glob("*.png"):
         old.unlink()
     namespace = {"__name__": "__main__", "__file__": str(source)}
+    repository = f"{_repo_url()}/blob/{BRANCH}"
     page = [f"<!-- Written by docs/tools/render.py from {_shown(source)}: edit that file, not this one. -->", ""]
     drawn = 0
     for n, cell in enumerate(cells(source.read_text()), 1):
@@ -72,8 +78,10 @@ def run(source: Path, out: Path) -> int:
             continue
         page += ["```python", cell.text, "```", ""]
         printed = _execute(cell.text, n, source, namespace)
-        if printed.strip():
-            page += ["```text", printed.rstrip("\n"), "```", ""]
+        try:
+            page += _printout(printed, repository)
+        except ValueError as e:
+            raise CellError(f"{_shown(source)}: cell {n} printed {e}") from e
         for number in plt.get_fignums():
             drawn += 1
             name, figure = f"{figures.name}/figure-{drawn}.png", plt.figure(number)
@@ -93,6 +101,38 @@ def _execute(code: str, n: int, source: Path, namespace: dict) -> str:
     except Exception as e:
         raise CellError(f"{_shown(source)}: cell {n} failed:\n{traceback.format_exc()}") from e
     return buffer.getvalue()
+
+
+def _printout(printed: str, repository: str) -> list[str]:
+    """A cell's printout as Markdown: text blocks, and each listing of a file's lines as a link to them
+    on the repository above them as Python. A listing must hold the file's lines as they are."""
+    page, text, lines, i = [], [], printed.splitlines(), 0
+    while i < len(lines):
+        header = LISTING.match(lines[i])
+        if not header:
+            text.append(lines[i])
+            i += 1
+            continue
+        path, first, last = header["path"], int(header["first"]), int(header["last"])
+        listed, i = lines[i + 1 : i + 2 + last - first], i + 2 + last - first
+        if not (ROOT / path).is_file() or listed != (ROOT / path).read_text().splitlines()[first - 1 : last]:
+            raise ValueError(f"a listing of {path}, lines {first}-{last}, that is not the file's")
+        link = f"[`{path}`, lines {first}–{last}]({repository}/{path}#L{first}-L{last})"
+        page += [*_text(text), link, "", "```python", *listed, "```", ""]
+        text = []
+    return page + _text(text)
+
+
+def _text(lines: list[str]) -> list[str]:
+    """Printed lines as a text block, without the blank lines around them; none if all are blank."""
+    body = "\n".join(lines).strip("\n")
+    return ["```text", body, "```", ""] if body.strip() else []
+
+
+def _repo_url() -> str:
+    import yaml
+
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"].rstrip("/")
 
 
 def _shown(path: Path) -> str:

@@ -79,9 +79,9 @@ print("special tokens:", dict(zip(SPECIALS, range(len(SPECIALS)))))
 # (masked self-attention) and over the encoder's output, the memory (source attention). Each
 # sub-layer's output is added to its input, the `+` with the path under the box. Where the layer
 # normalization sits is the one difference between the paper's post-norm and this project's
-# pre-norm, drawn at the bottom and explained below. The cell only draws boxes and arrows.
+# pre-norm, drawn at the bottom and explained below.
 
-# %%
+# %% [folded] The figure's drawing code (matplotlib boxes and arrows)
 COLORS = {"attention": "#fbd9b5", "ffn": "#cfe2f3", "norm": "#d5ecc9", "embed": "#e4daf2", "other": "#e6e6e6"}
 ROUNDED = "round,pad=0,rounding_size=0.08"
 

@@ -7,6 +7,7 @@ import inspect
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def figures(page: Path) -> list[str]:
 
 def code_blocks(page: Path) -> list[str]:
     """The cells' code a page shows (not the package's source it prints)."""
-    return re.findall(r"```python\n(.*?)\n```", LISTING.sub("", page.read_text()), flags=re.S)
+    found = re.findall(r"^( *)```python\n(.*?)\n\1```", LISTING.sub("", page.read_text()), flags=re.S | re.M)
+    return [textwrap.dedent(block) if indent else block for indent, block in found]  # a folded cell's is indented
 
 
 @pytest.mark.slow
@@ -79,6 +81,17 @@ def test_the_page_imports_the_package_instead_of_defining_layers():
 def test_cells_splits_code_and_text():
     source = "'doc'\n# %% [markdown]\n# # Title\n#\n# text\n\n# %%\nx = 1\n\n\n# %%\nprint(x)\n"
     assert cells(source) == [Cell("markdown", "# Title\n\ntext"), Cell("code", "x = 1"), Cell("code", "print(x)")]
+
+
+def test_a_folded_cell_runs_and_shows_its_code_folded_under_its_title(tmp_path):
+    source = tmp_path / "page.py"
+    source.write_text("# %% [folded] How it is drawn\nfor i in range(2):\n    print(i)\n\n# %%\nx = 1\n")
+    assert cells(source.read_text())[0] == Cell("code", "for i in range(2):\n    print(i)", "How it is drawn")
+    run(source, tmp_path / "page.md")
+    page = (tmp_path / "page.md").read_text()
+    assert '??? note "How it is drawn"\n\n    ```python\n    for i in range(2):\n        print(i)\n    ```' in page
+    assert "```text\n0\n1\n```" in page  # what it printed, unfolded
+    assert code_blocks(tmp_path / "page.md") == ["for i in range(2):\n    print(i)", "x = 1"]
 
 
 def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):

@@ -1,5 +1,7 @@
 """Runs a percent-format script (`# %%` code cells, `# %% [markdown]` text cells) top to bottom and
-writes it as a Markdown page: each cell's code, what it printed, and the figures it drew as PNGs.
+writes it as a Markdown page: each cell's code, what it printed, and the figures it drew as PNGs. A
+code cell marked `# %% [folded] TITLE` shows its code folded under TITLE, for code beside the point
+of the page (drawing a diagram), which a reader opens only if curious.
 A printout of a repository file's lines under the header `# FILE, lines A-B` (the page's `show`) is
 written as that file's source: a link to those lines on the repository (mkdocs.yml's `repo_url`)
 above them as Python.
@@ -32,12 +34,13 @@ BRANCH = "main"  # the repository's branch that a listing's link points into
 class Cell:
     kind: str  # "code" or "markdown"
     text: str
+    folded: str = ""  # a code cell's title, when its code is shown folded under it
 
 
 def cells(source: str) -> list[Cell]:
     """The cells of a percent-format script; text before the first marker is dropped (a module docstring)."""
     found: list[Cell] = []
-    kind, lines = None, []
+    kind, folded, lines = None, "", []
     for line in [*source.splitlines(), "# %% end"]:
         header = HEADER.match(line)
         if not header:
@@ -48,8 +51,9 @@ def cells(source: str) -> list[Cell]:
             if kind == "markdown":
                 body = "\n".join(re.sub(r"^# ?", "", x) for x in body.splitlines())
             if body.strip():
-                found.append(Cell(kind, body))
+                found.append(Cell(kind, body, folded))
         kind, lines = ("markdown" if "[markdown]" in header.group(1) else "code"), []
+        folded = header.group(1).partition("[folded]")[2].strip()
     return found
 
 
@@ -76,7 +80,11 @@ def run(source: Path, out: Path) -> int:
         if cell.kind == "markdown":
             page += [cell.text, ""]
             continue
-        page += ["```python", cell.text, "```", ""]
+        if cell.folded:  # Material's collapsed admonition (pymdownx.details), its body indented
+            code = "\n".join(f"    {line}".rstrip() for line in ["```python", *cell.text.splitlines(), "```"])
+            page += [f'??? note "{cell.folded}"', "", code, ""]
+        else:
+            page += ["```python", cell.text, "```", ""]
         printed = _execute(cell.text, n, source, namespace)
         try:
             page += _printout(printed, repository)

@@ -73,7 +73,12 @@ from transformer.training.loss import Loss, smoothed_cross_entropy
 from transformer.training.train import StepLoss, make_optimizer
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
-CUDA_TESTS = ("tests/test_fast_paths.py", "tests/test_scale_out.py", "tests/test_distributed.py")
+CUDA_TESTS = (
+    "tests/test_fast_paths.py",
+    "tests/test_scale_out.py",
+    "tests/test_distributed.py",
+    "tests/test_writer.py",
+)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # No part starts after this many seconds: a ten-minute command keeps two minutes for the part
 # started last, which may be a compile.

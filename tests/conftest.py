@@ -304,6 +304,7 @@ FAULTS = {
         "test_train.py::test_diverging",
         "test_checkpoints.py::test_failed_save",
         "test_resume.py::test_a_launch_of_another_world_size",
+        "test_writer.py::test_a_failed_background_write",
     ],
     "7 tracking": ["test_train.py::test_unreachable_tracking"],
     "8 interruptions": [
@@ -311,6 +312,7 @@ FAULTS = {
         "test_interruptions.py::test_decode_killed",
         "test_pipeline.py::test_repro_killed",
         "test_io.py::test_a_second_run_killed",
+        "test_writer.py::test_a_kill_during",
     ],
     "9 ddp": [
         "test_interruptions.py::test_dead_ddp_worker",

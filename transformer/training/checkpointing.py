@@ -1,9 +1,10 @@
 """Checkpointing during training: what a checkpoint of a running model holds, and which ones stay.
 Every rank takes part in a save, since each keeps random generators of its own; rank 0 writes the
-file. resume.py reads the newest one back."""
+file, through a writer.Writer (on a GPU, in the background). resume.py reads the newest one back."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from transformer.errors import TrainingError
 from transformer.kernels.memory import peak_rss_mb
 from transformer.training.distributed import Dist, gathered, rank_seed
 from transformer.training.resume import Progress
+from transformer.training.writer import Writer
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Checkpointer:
     model: nn.Module
     optimizer: Optimizer
     scaler: GradScaler
+    writer: Writer  # writer_for(device): on a GPU, each checkpoint is written while the training goes on
 
     def save(self, wall_s: float) -> list[float]:
         """Checkpoints the run at its current step, as of `wall_s` seconds of wall time over every
@@ -50,17 +53,18 @@ class Checkpointer:
     def _write(self, rng: list[dict], wall_s: float) -> None:
         """Rank 0's part of a save. A loss read as finite can still be followed by an update that
         overflows the weights, so they are checked first: non-finite weights stop the run and leave the
-        last good checkpoint in place."""
+        last good checkpoint in place, once the write still in flight has made it whole."""
         pr = self.progress
+        self.writer.wait()
         _check_finite(self.model, pr, self.directory)
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scaler.is_enabled():  # other checkpoints hold none, as those written before fp16
             state["scaler"] = self.scaler.state_dict()
         run = _run_state(self.params, self.env, pr, rng, wall_s)
-        checkpoints.save(checkpoints.path_for(self.directory, pr.step), state | run | self.meta)
         a = self.params.average  # with select best, its candidates stay until better ones replace them
         best = checkpoints.best_steps(checkpoints.scores_of(pr.epochs), a.last_k) if a.select == "best" else []
-        checkpoints.prune(self.directory, self.params.train.keep, best)
+        prune = functools.partial(checkpoints.prune, self.directory, self.params.train.keep, best)
+        self.writer.write(checkpoints.path_for(self.directory, pr.step), state, run | self.meta, prune)
 
 
 def _check_finite(model: nn.Module, pr: Progress, kept: Path) -> None:
@@ -73,7 +77,9 @@ def _check_finite(model: nn.Module, pr: Progress, kept: Path) -> None:
 
 
 def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict], wall_s: float) -> dict[str, Any]:
-    """What a checkpoint holds of the run besides its weights, its optimizer and its constants."""
+    """What a checkpoint holds of the run besides its weights, its optimizer and its constants: built
+    afresh for each checkpoint, its history lists copied (their rows never change once recorded), so
+    that a write in the background sees the run as it stood at the save."""
     return {
         "params": params.to_dict(),
         "step": pr.step,
@@ -83,7 +89,7 @@ def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict], wall_s:
         "wall_s": wall_s,
         "rng": {"cpu": [r["cpu"] for r in rng], "cuda": [r["cuda"] for r in rng]},
         "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
-        "history": {"steps": pr.steps, "epochs": pr.epochs},
+        "history": {"steps": list(pr.steps), "epochs": list(pr.epochs)},
         "mlflow_run_id": pr.mlflow_run_id,
         "skipped_updates": pr.skipped_updates,
     }

@@ -46,6 +46,7 @@ from transformer.training.record import RunRecord, Stepped, bleus, progress_bar,
 from transformer.training.resume import Progress, patience_spent, resume
 from transformer.training.schedule import rate
 from transformer.training.validation import Validation, ValidationData
+from transformer.training.writer import writer_for
 
 LOG_EVERY = 20  # updates between host syncs (loss check, progress, metrics)
 RELEASE_EVERY = 200  # updates between hand-backs of freed CPU memory (release_freed_memory)
@@ -118,6 +119,7 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
     if env.device.type == "cpu":
         keep_freed_memory()
     setup, progress, meta = _prepare(params, env, inputs, out)
+    writer = writer_for(env.device)
     checkpointer = Checkpointer(
         directory=out.checkpoints,
         params=params,
@@ -127,8 +129,11 @@ def _train(params: Params, env: Dist, inputs: Inputs, out: Outputs, tracker_fact
         model=setup.model,
         optimizer=setup.optimizer,
         scaler=setup.precision.scaler,
+        writer=writer,
     )
-    with tracked_run(params, env, progress, meta["identity"], out.checkpoints, tracker_factory) as tracker:
+    # The writer's block ends once the last checkpoint is whole on disk: before the run's MLflow run
+    # ends, and before the upload that reads the checkpoint.
+    with tracked_run(params, env, progress, meta["identity"], out.checkpoints, tracker_factory) as tracker, writer:
         record = RunRecord(params, env, out, progress, started, tracker)
         try:
             summary = Trainer(setup, progress, record, checkpointer).run()

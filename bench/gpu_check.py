@@ -238,6 +238,15 @@ def compile_figures(warm: list[float], seconds_per_update: float, frames_after_f
     }
 
 
+def release_memory(device: torch.device) -> None:
+    """Frees what the parts before left on the device: their compiled graphs hold their models, and a
+    row that ran out of memory leaves its cache behind."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_row(size: str, compiled: bool, plan: Plan, work: Path, deadline: float) -> dict[str, Any]:
     """One size at its preset's batches, compiled or not: speed, tokens, memory, its profiled
     window, and compiling's figures; MFU is added by with_mfu."""
@@ -245,11 +254,9 @@ def train_row(size: str, compiled: bool, plan: Plan, work: Path, deadline: float
     vocab, t = params.vocab.size, params.train
     corpus = wmt_shaped(work / f"{size}.pt", plan.pairs, vocab, params.tokenize.max_len)
     updates = updates_of(corpus, t.max_tokens, t.accum, plan.warmup + 250, plan.device)
-    torch._dynamo.reset()  # the rows before: their compiled graphs hold their models, which would count
+    release_memory(plan.device)  # the rows before would count in its peak
     counters.clear()
-    gc.collect()
     if plan.device.type == "cuda":
-        torch.cuda.empty_cache()  # a row that ran out of memory leaves its cache behind
         torch.cuda.reset_peak_memory_stats(plan.device)
     update, bf16 = update_step(params, vocab, plan.device, compiled, plan.backend)
     warm = [seconds_of(update, updates[0], plan.device)]
@@ -424,6 +431,7 @@ def train_stage(params: Path, vocab: Path, out: Path) -> subprocess.Popen:
 
 
 def finished(job: subprocess.Popen) -> None:
+    """Waits for the train stage, and raises its error where it failed."""
     try:
         _, err = job.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -431,7 +439,7 @@ def finished(job: subprocess.Popen) -> None:
         job.wait()
         raise
     if job.returncode:
-        raise click.ClickException(f"the train stage failed in the resume check: {err.strip()[-800:]}")
+        raise click.ClickException(f"the train stage failed: {err.strip()[-800:]}")
 
 
 def resume_check(work: Path) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(t
     assert len((tmp_path / "corpus" / "train.en").read_text(encoding="utf-8").splitlines()) == 30
 
 
-@pytest.mark.slow  # about 70 CPU seconds, most of them torch.compile's tracing of the two compiled rows
+@pytest.mark.slow  # about 80 CPU seconds: torch.compile tracing the two compiled rows, and four runs of the train stage
 def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_and_a_bit_identical_resume(
     tmp_path, monkeypatch
 ):
@@ -110,7 +110,8 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
     loop = report["trainer"]  # the train stage at the base row's sizes, timed by its own clock
     assert loop["vocab_kind"] == "bpe" and loop["vocab_size"] == 200  # the tiny preset's vocab.size, reached
     assert loop["updates"] == gpu_check.LOG_EVERY and loop["steps"] == loop["warmup_updates"] + loop["updates"]
-    assert loop["tokens_per_s"] > 0 and loop["ms_per_update"] > 0 and loop["batch_wait_s"] >= 0
+    assert loop["tokens_per_s"] > 0 and loop["ms_per_update"] > 0
+    assert 0 <= loop["batch_wait_s"] <= loop["train_time_s"]  # the waits are inside the loop's clock
     target = loop["tokens_per_s"] * loop["ms_per_update"] / 1000
     assert target == pytest.approx(loop["tgt_real_tokens_per_update"], rel=1e-3)
     assert loop["ratio_to_eager_row"] == pytest.approx(loop["tokens_per_s"] / rows[0]["tokens_per_s"], abs=1e-3)

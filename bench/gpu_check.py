@@ -722,9 +722,10 @@ def trainer_line(r: dict[str, Any]) -> str:
     if outcome(r):
         return f"{name}: {outcome(r)}"
     mfu = "?" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    sheet = "" if r["mfu_datasheet"] is None else f" ({100 * r['mfu_datasheet']:.1f}% of the datasheet's)"
     kept = "" if r["ratio_to_eager_row"] is None else f", {r['ratio_to_eager_row']:.0%} of the eager row's tokens/s"
     return (
-        f"{name}: {r['dtype']} {r['tokens_per_s']:,.0f} tok/s  MFU {mfu}  {r['ms_per_update']:.1f} ms an update"
+        f"{name}: {r['dtype']} {r['tokens_per_s']:,.0f} tok/s  MFU {mfu}{sheet}  {r['ms_per_update']:.1f} ms an update"
         f"{kept}; {r['batch_wait_s']:.2f} s waiting for batches over {r['steps']} updates"
     )
 

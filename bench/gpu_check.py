@@ -20,6 +20,13 @@ that would start after --budget-s seconds is recorded as skipped, with the reaso
   peaks, real and padded tokens a side an update, peak GPU memory; a profiled window of device
   work by kernel category and by phase of the update (bench/gpu_profile.py); compiled, the
   seconds of compiling, the frames compiled again after the first update, and graph breaks;
+- trainer: the train stage (its Trainer, the real loop: batches prefetched, pinned host-to-device
+  copies, the losses read back every LOG_EVERY updates) at the base preset's model and batches, on
+  the synthetic corpus and a joint BPE vocabulary of the preset's size that sentencepiece learns from
+  made-up words in seconds: after one sync window of warm-up, a fixed number of updates with no
+  validation or checkpoint among them, their target tokens/s and ms an update by the loop's own
+  clock, MFU as the rows reckon it, the loop's wait for batches, and its tokens/s over the eager base
+  row's, the share of the update's speed that the real loop keeps;
 - loss: the loss of one micro-batch both ways training computes it, the fused loss (eager) and
   cross-entropy after one generator matmul (compiled), forward and backward;
 - resume: the train stage (its Trainer, the real loop) on a toy corpus, killed with SIGKILL after
@@ -29,8 +36,9 @@ that would start after --budget-s seconds is recorded as skipped, with the reaso
   the budget.
 
 Without a CUDA device it stops with one line, unless --dry-run: then the same code runs on the CPU
-with tiny sizes, two timed updates a row and torch.compile's aot_eager backend (no C++ build), so a
-test can run it in seconds; its figures check the code, not a machine.
+with tiny sizes, two timed updates a row (the trainer part: one sync window of the loop's) and
+torch.compile's aot_eager backend (no C++ build), so a test can run it in seconds; its figures check
+the code, not a machine.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import math
+import random
 import re
 import signal
 import subprocess
@@ -61,16 +71,16 @@ from bench.gpu_profile import CATEGORIES, phase, profiled, sync
 from transformer import checkpoints
 from transformer.config import params_from_dict
 from transformer.data.batching import Batch, ParallelCorpus, token_batches
-from transformer.data.vocab import PAD
-from transformer.io import write_json
+from transformer.data.vocab import PAD, BpeVocab, save_vocabs
+from transformer.io import write_json, write_lines
 from transformer.kernels.accelerate import accelerate, attention_backends
 from transformer.kernels.loss import LossSpec, fused_loss
 from transformer.kernels.memory import peak_rss_mb
 from transformer.model.model import make_model
 from transformer.presets import recipe
-from transformer.training.distributed import set_precision
+from transformer.training.distributed import autocast_dtype, set_precision
 from transformer.training.loss import Loss, smoothed_cross_entropy
-from transformer.training.train import StepLoss, make_optimizer
+from transformer.training.train import LOG_EVERY, StepLoss, epoch_groups, make_optimizer
 
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
 CUDA_TESTS = (
@@ -109,12 +119,15 @@ class Plan:
     matmul: int  # the peak's n×n matrices
     tiny: bool  # the tests' sizes instead of the presets'
     backend: str  # torch.compile's
+    loop_updates: int  # the trainer part's timed updates, whole sync windows of the loop (LOG_EVERY updates)
 
 
 def plan_for(dry_run: bool, seconds: float) -> Plan:
     if dry_run:
-        return Plan(torch.device("cpu"), 400, 1, 0.0, 2, 128, True, "aot_eager")
-    return Plan(torch.device("cuda", 0), 200_000, 4, seconds, 10, 8192, False, "inductor")  # 250 updates of 25k
+        return Plan(torch.device("cpu"), 1000, 1, 0.0, 2, 128, True, "aot_eager", LOG_EVERY)  # 69 updates
+    # 296 updates of 25k tokens; the trainer part's 240 timed ones (about 7 TFLOP each at the base size) take
+    # 5 to 12 s on an H100 at 15 to 35% MFU
+    return Plan(torch.device("cuda", 0), 200_000, 4, seconds, 10, 8192, False, "inductor", 12 * LOG_EVERY)
 
 
 # ---------------------------------------------------------------------------- the presets' runs
@@ -243,6 +256,15 @@ def compile_figures(warm: list[float], seconds_per_update: float, frames_after_f
     }
 
 
+def release_memory(device: torch.device) -> None:
+    """Frees what the parts before left on the device: their compiled graphs hold their models, and a
+    row that ran out of memory leaves its cache behind."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_row(size: str, compiled: bool, plan: Plan, work: Path, deadline: float) -> dict[str, Any]:
     """One size at its preset's batches, compiled or not: speed, tokens, memory, its profiled
     window, and compiling's figures; MFU is added by with_mfu."""
@@ -250,11 +272,9 @@ def train_row(size: str, compiled: bool, plan: Plan, work: Path, deadline: float
     vocab, t = params.vocab.size, params.train
     corpus = wmt_shaped(work / f"{size}.pt", plan.pairs, vocab, params.tokenize.max_len)
     updates = updates_of(corpus, t.max_tokens, t.accum, plan.warmup + 250, plan.device)
-    torch._dynamo.reset()  # the rows before: their compiled graphs hold their models, which would count
+    release_memory(plan.device)  # the rows before would count in its peak
     counters.clear()
-    gc.collect()
     if plan.device.type == "cuda":
-        torch.cuda.empty_cache()  # a row that ran out of memory leaves its cache behind
         torch.cuda.reset_peak_memory_stats(plan.device)
     update, bf16 = update_step(params, vocab, plan.device, compiled, plan.backend)
     warm = [seconds_of(update, updates[0], plan.device)]
@@ -429,6 +449,7 @@ def train_stage(params: Path, vocab: Path, out: Path) -> subprocess.Popen:
 
 
 def finished(job: subprocess.Popen) -> None:
+    """Waits for the train stage, and raises its error where it failed."""
     try:
         _, err = job.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -436,7 +457,7 @@ def finished(job: subprocess.Popen) -> None:
         job.wait()
         raise
     if job.returncode:
-        raise click.ClickException(f"the train stage failed in the resume check: {err.strip()[-800:]}")
+        raise click.ClickException(f"the train stage failed: {err.strip()[-800:]}")
 
 
 def resume_check(work: Path) -> dict[str, Any]:
@@ -459,6 +480,122 @@ def resume_check(work: Path) -> dict[str, Any]:
         "max_weight_difference": diff,
         "bit_identical": diff == 0.0 and whole["step"] == resumed["step"],
         "train_loop_batch_wait_s": loop["batch_wait_s"],
+    }
+
+
+# ---------------------------------------------------------------------------- the real loop
+
+VALID_PAIRS = 16  # the trainer part's validation split, measured once, after the timed updates
+
+
+def made_up_lines(size: int, seed: int = 1) -> list[str]:
+    """Lines of made-up words in which sentencepiece finds `size` BPE pieces: 2 * size word types of one
+    to three syllables from an inventory of 1,274, drawn 16 * size times by Zipf's law, so that BPE's
+    merges build the syllables, then the frequent words."""
+    rng = random.Random(seed)
+    onsets = [*"bdfghklmnprstvwz", "br", "dr", "fl", "gr", "kl", "pr", "sch", "st", "th", "tr"]
+    vowels, codas = ("a", "e", "i", "o", "u", "ei", "au"), ("", "n", "r", "s", "l", "t", "ng")
+    syllables = [onset + vowel + coda for onset in onsets for vowel in vowels for coda in codas]
+    types: dict[str, None] = {}  # in the order drawn: the first are the most frequent
+    while len(types) < 2 * size:
+        types.setdefault("".join(rng.choices(syllables, k=rng.randint(1, 3))))
+    zipf = [1 / rank for rank in range(1, len(types) + 1)]
+    words = rng.choices(list(types), weights=zipf, k=16 * size)
+    return [" ".join(words[i : i + 25]) for i in range(0, len(words), 25)]
+
+
+def loop_params(plan: Plan) -> Any:
+    """The base preset's params (the tests' sizes in the dry run) for LOG_EVERY updates of warm-up and
+    plan.loop_updates timed, with no validation or checkpoint before the last of them."""
+    params = preset_params(PRESETS["base"], plan.tiny)
+    steps = LOG_EVERY + plan.loop_updates
+    return dataclasses.replace(
+        params, train=dataclasses.replace(params.train, max_steps=steps, eval_every=0, save_every=0, patience=0)
+    )
+
+
+def loop_inputs(work: Path, params: Any, plan: Plan, vocab: BpeVocab) -> ParallelCorpus:
+    """What the train stage reads, in `work` as toy_vocab lays it out: the vocabulary (vocab/), a
+    WMT-shaped corpus in its ids (vocab/train.pt, val.pt), the validation split's references
+    (raw/val.en, its targets decoded) and params.yaml. Returns the training corpus."""
+    save_vocabs(work / "vocab", vocab, vocab)
+    corpus = wmt_shaped(work / "vocab" / "train.pt", plan.pairs, len(vocab), params.tokenize.max_len)
+    valid = wmt_shaped(work / "vocab" / "val.pt", VALID_PAIRS, len(vocab), params.tokenize.max_len, seed=2)
+    targets = [valid.tgt[valid.tgt_off[i] : valid.tgt_off[i + 1]].tolist() for i in range(len(valid))]
+    (work / "raw").mkdir(parents=True)
+    write_lines(work / "raw" / "val.en", [vocab.decode(ids) for ids in targets])
+    (work / "params.yaml").write_text(yaml.safe_dump(params.to_dict()), encoding="utf-8")
+    return corpus
+
+
+def after_warmup(steps: Path, tokens: list[int]) -> float:
+    """Seconds of the loop's updates after its first sync window, from its steps report: each row
+    holds its window's tokens/s, the window's target tokens over its seconds, a window every LOG_EVERY
+    updates; `tokens` are each update's target tokens as the loop batched them."""
+    header, *rows = steps.read_text(encoding="utf-8").splitlines()
+    column = header.split("\t").index("tokens_per_s")
+    rates = [float(row.split("\t")[column]) for row in rows]
+    if len(rates) != len(tokens):
+        raise click.ClickException(f"{steps}: {len(rates)} updates, where {len(tokens)} were planned")
+    seconds = 0.0
+    for k in range(LOG_EVERY, len(rates), LOG_EVERY):
+        window = rates[k : k + LOG_EVERY]
+        if len(set(window)) > 1:
+            raise click.ClickException(f"{steps}: updates {k + 1} to {k + len(window)} are not one sync window")
+        seconds += sum(tokens[k : k + LOG_EVERY]) / window[0]
+    return seconds
+
+
+def trainer_row(plan: Plan, work: Path) -> dict[str, Any]:
+    """The train stage (its Trainer: batches prefetched, pinned host-to-device copies, the losses read
+    back every LOG_EVERY updates) at the base preset's model and batches, on a joint BPE vocabulary of
+    the preset's size learned from made-up words; its figures over the updates after the warm-up, from
+    its own clock. MFU is added by with_mfu."""
+    params = loop_params(plan)
+    t, start = params.train, time.perf_counter()
+    vocab = BpeVocab.train(made_up_lines(params.vocab.size), params.vocab.size, seed=1)
+    vocab_s = time.perf_counter() - start
+    corpus = loop_inputs(work, params, plan, vocab)
+    groups = epoch_groups(corpus, t, 0)[: t.max_steps]  # the first epoch's, as the loop plans it
+    if len(groups) < t.max_steps:  # the epoch's end would validate and checkpoint among the timed updates
+        raise click.ClickException(f"an epoch of {plan.pairs} pairs holds {len(groups)} updates, not {t.max_steps}")
+    start = time.perf_counter()
+    finished(train_stage(work / "params.yaml", work / "vocab", work / "run"))
+    stage_s = time.perf_counter() - start
+    loop = json.loads((work / "run" / "reports" / "train.json").read_text(encoding="utf-8"))
+    seconds = after_warmup(work / "run" / "reports" / "steps.tsv", [sum(map(corpus.tokens, g)) for g in groups])
+    dtype = autocast_dtype(t.precision, plan.device)
+    return {
+        "preset": PRESETS["base"],
+        "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+        "max_tokens": t.max_tokens,
+        "accum": t.accum,
+        "vocab_kind": vocab.kind,
+        "vocab_size": len(vocab),
+        "vocab_s": round(vocab_s, 2),  # making the words up and learning BPE from them
+        "warmup_updates": LOG_EVERY,
+        "updates": plan.loop_updates,
+        **timed_figures(params, corpus, groups[LOG_EVERY:], seconds, len(vocab)),
+        "steps": loop["steps"],
+        "train_time_s": loop["train_time_s"],  # of every update, the warm-up too, as is the wait for batches
+        "batch_wait_s": loop["batch_wait_s"],
+        "stage_s": round(stage_s, 1),  # the process's, start-up, validation and checkpoint included
+    }
+
+
+def timed_figures(params: Any, corpus: ParallelCorpus, groups: list, seconds: float, vocab: int) -> dict[str, Any]:
+    """ms an update, target tokens/s and FLOPs (train_flops) of the updates `groups` (each its
+    micro-batches' pairs), which took `seconds`."""
+    m, micro = params.model, [index for group in groups for index in group]  # micro-batches
+    shape = Size("base", m.N, m.d_model, m.d_ff, m.h)
+    flops = sum(train_flops(corpus.batch(index), shape, vocab) for index in micro)
+    tokens = sum(map(corpus.tokens, micro))
+    return {
+        "ms_per_update": round(1000 * seconds / len(groups), 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "tgt_real_tokens_per_update": round(tokens / len(groups), 1),
+        "flops_per_token": round(flops / tokens),
+        "flops_per_s": flops / seconds,
     }
 
 
@@ -513,6 +650,19 @@ def train_part(size: str, compiled: bool, plan: Plan, work: Path, report: Report
     return with_mfu(row, {} if "skipped" in peaks or "error" in peaks else peaks, report.data["datasheet_peak"])
 
 
+def trainer_part(plan: Plan, work: Path, report: Report) -> dict[str, Any]:
+    """trainer_row after the rows' memory is freed (the stage is a process of its own, on the same
+    device), with MFU, and its tokens/s over the eager base row's: the share of the update's speed
+    that the real loop keeps (None without that row)."""
+    release_memory(plan.device)
+    row = trainer_row(plan, work)
+    eager = next((r for r in report.data["train"] if r["size"] == "base" and not r["compile"]), {})
+    ratio = round(row["tokens_per_s"] / eager["tokens_per_s"], 3) if "tokens_per_s" in eager else None
+    peaks = report.data["peak_tflops"]
+    peaks = {} if "skipped" in peaks or "error" in peaks else peaks
+    return with_mfu(row, peaks, report.data["datasheet_peak"]) | {"ratio_to_eager_row": ratio}
+
+
 def check(plan: Plan, work: Path, out: Path, budget_s: float) -> dict[str, Any]:
     """Every part in order (the module's docstring), the report on disk after each."""
     about = machine(plan.device)
@@ -533,6 +683,7 @@ def check(plan: Plan, work: Path, out: Path, budget_s: float) -> dict[str, Any]:
         for compiled in (False, True):
             part = functools.partial(train_part, size, compiled, plan, work, report)
             report.row("train", {"size": size, "compile": compiled}, part)
+    report.section("trainer", functools.partial(trainer_part, plan, work / "trainer", report))
     report.section("loss", functools.partial(loss_row, plan))
     report.section("resume", functools.partial(resume_check, work / "resume"))
     report.section("tests", lambda: cuda_tests(report.deadline))
@@ -571,6 +722,19 @@ def outcome(part: dict[str, Any]) -> str | None:
     return None
 
 
+def trainer_line(r: dict[str, Any]) -> str:
+    name = "the train stage, base"
+    if outcome(r):
+        return f"{name}: {outcome(r)}"
+    mfu = "?" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    sheet = "" if r["mfu_datasheet"] is None else f" ({100 * r['mfu_datasheet']:.1f}% of the datasheet's)"
+    kept = "" if r["ratio_to_eager_row"] is None else f", {r['ratio_to_eager_row']:.0%} of the eager row's tokens/s"
+    return (
+        f"{name}: {r['dtype']} {r['tokens_per_s']:,.0f} tok/s  MFU {mfu}{sheet}  {r['ms_per_update']:.1f} ms an update"
+        f"{kept}; {r['batch_wait_s']:.2f} s waiting for batches over {r['steps']} updates"
+    )
+
+
 def summary(report: dict[str, Any]) -> list[str]:
     lines = []
     for r in report["train"]:
@@ -584,6 +748,7 @@ def summary(report: dict[str, Any]) -> list[str]:
             f"{name} {r['dtype']} {r['tokens_per_s']:>12,.0f} tok/s  MFU {mfu}{sheet}  "
             f"{r['ms_per_update']:8.1f} ms an update, {r['waits_on_host_share']:.0%} of it waiting on the host"
         )
+    lines.append(trainer_line(report["trainer"]))
     loss, resume, tests = report["loss"], report["resume"], report["tests"]
     loss_line = outcome(loss) or f"fused {loss['fused_ms']} ms, plain cross-entropy {loss['plain_ms']} ms"
     lines.append(f"the loss of a micro-batch: {loss_line}")

@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -66,7 +68,7 @@ def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(t
     assert len((tmp_path / "corpus" / "train.en").read_text(encoding="utf-8").splitlines()) == 30
 
 
-@pytest.mark.slow  # about 70 CPU seconds, most of them torch.compile's tracing of the two compiled rows
+@pytest.mark.slow  # about 80 CPU seconds: torch.compile tracing the two compiled rows, and four runs of the train stage
 def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_and_a_bit_identical_resume(
     tmp_path, monkeypatch
 ):
@@ -105,6 +107,17 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
     for r in (rows[1], rows[3]):
         assert r["compile_s"] >= 0 and r["frames_compiled"] >= 1 and r["recompiles"] >= 0 and r["graph_breaks"] >= 0
     assert rows[2]["flops_per_token"] > rows[0]["flops_per_token"]  # bench's count: wider
+    loop = report["trainer"]  # the train stage at the base row's sizes, timed by its own clock
+    assert loop["vocab_kind"] == "bpe" and loop["vocab_size"] == 200  # the tiny preset's vocab.size, reached
+    assert loop["updates"] == gpu_check.LOG_EVERY and loop["steps"] == loop["warmup_updates"] + loop["updates"]
+    assert loop["tokens_per_s"] > 0 and loop["ms_per_update"] > 0
+    assert 0 <= loop["batch_wait_s"] <= loop["train_time_s"]  # the waits are inside the loop's clock
+    target = loop["tokens_per_s"] * loop["ms_per_update"] / 1000
+    assert target == pytest.approx(loop["tgt_real_tokens_per_update"], rel=1e-3)
+    assert loop["ratio_to_eager_row"] == pytest.approx(loop["tokens_per_s"] / rows[0]["tokens_per_s"], abs=1e-3)
+    peak = report["peak_tflops"][loop["dtype"]] * 1e12
+    assert 0 < loop["mfu"] == pytest.approx(loop["flops_per_token"] * loop["tokens_per_s"] / peak, rel=0.05)
+    assert "the train stage, base: " in out and " of the eager row's tokens/s" in out
     loss = report["loss"]
     assert loss["fused_ms"] > 0 and loss["plain_ms"] > 0 and loss["loss_relative_difference"] < 1e-2
     resume = report["resume"]
@@ -115,10 +128,26 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
 def test_gpu_check_with_its_budget_spent_records_every_part_as_skipped_with_the_reason(tmp_path):
     out = run(gpu_check.main, ["--dry-run", "--budget-s", "0", "--out", str(tmp_path / "report.json")])
     report = json.loads((tmp_path / "report.json").read_text())
-    parts = [report[key] for key in ("peak_tflops", "loss", "resume", "tests")] + report["train"]
-    assert len(parts) == 8 and all("the budget of 0 s was spent" in part["skipped"] for part in parts)
+    parts = [report[key] for key in ("peak_tflops", "trainer", "loss", "resume", "tests")] + report["train"]
+    assert len(parts) == 9 and all("the budget of 0 s was spent" in part["skipped"] for part in parts)
     assert [(r["size"], r["compile"]) for r in report["train"]][-1] == ("big", True)
     assert "big   compiled skipped: the budget of 0 s was spent" in out
+    assert "the train stage, base: skipped: the budget of 0 s was spent" in out
+
+
+def test_the_loops_timed_seconds_leave_its_first_sync_window_out_and_need_whole_windows(tmp_path):
+    every, steps = gpu_check.LOG_EVERY, tmp_path / "steps.tsv"
+
+    def report(rates: list[float]) -> Path:  # as RunRecord writes it: a window's rows share its tokens/s
+        rows = [f"{k + 1}\t5.0\t1e-05\t{rate:g}" for k, rate in enumerate(rates)]
+        steps.write_text("step\tloss\tlr\ttokens_per_s\n" + "\n".join(rows) + "\n")
+        return steps
+
+    rates, tokens = [1000.0] * every + [50.0] * every + [40.0] * every, [10] * 2 * every + [20] * every
+    assert gpu_check.after_warmup(report(rates), tokens) == pytest.approx(every * 10 / 50 + every * 20 / 40)
+    rates[-1] = 41.0  # a window cut short: an epoch's end or a checkpoint among the timed updates
+    with pytest.raises(click.ClickException, match="not one sync window"):
+        gpu_check.after_warmup(report(rates), tokens)
 
 
 def test_a_part_that_raises_is_recorded_with_its_exception_and_the_parts_after_it_still_run(tmp_path):

@@ -389,7 +389,9 @@ def matmul_peak_tflops(dtype: torch.dtype, plan: Plan, seconds: float = 2.0) -> 
 
 def measured_peaks(plan: Plan) -> dict[str, float]:
     set_precision("fp32", plan.device)  # the fp32 peak in TF32, as fp32 training multiplies
-    return {name: round(matmul_peak_tflops(dtype, plan), 3 if plan.tiny else 1) for name, dtype in DTYPES.items()}
+    # Four significant figures: a dry run's tiny matmul on a busy CPU is well under a GFLOP/s, which a
+    # fixed number of decimals could round to a peak of 0.
+    return {name: float(f"{matmul_peak_tflops(dtype, plan):.4g}") for name, dtype in DTYPES.items()}
 
 
 def datasheet_peak(card: str) -> dict[str, Any]:

@@ -27,8 +27,8 @@ that would start after --budget-s seconds is recorded as skipped, with the reaso
   validation or checkpoint among them, their target tokens/s and ms an update by the loop's own
   clock, MFU as the rows reckon it, the loop's wait for batches, and its tokens/s over the eager base
   row's, the share of the update's speed that the real loop keeps;
-- loss: the loss of one micro-batch both ways training computes it, the fused loss (eager) and
-  cross-entropy after one generator matmul (compiled), forward and backward;
+- loss: the loss of one micro-batch, forward and backward, the fused loss (a CPU's, in eager
+  training) and cross-entropy after one generator matmul (a GPU's, eager or compiled);
 - resume: the train stage (its Trainer, the real loop) on a toy corpus, killed with SIGKILL after
   its first checkpoint and rerun, against an uninterrupted run (the largest weight difference; 0
   is bit-identical), with the loop's own wait for batches from its train.json;

@@ -65,6 +65,25 @@ def test_a_system_against_itself_differs_by_nothing_and_a_worse_one_significantl
     assert f"| {files[1]} | {found['metrics']['bleu']['systems'][0]['score']} |" in table
 
 
+def test_stepwise_compares_each_system_with_the_one_before_it(tmp_path):
+    refs, good, worse = _corpus()
+    files = [
+        _write(tmp_path / f"{name}.txt", lines) for name, lines in (("worse", worse), ("good", good), ("g2", good))
+    ]
+    args = [*files, "--refs", _write(tmp_path / "test2016.en", refs), "--lang", "en", "--metric", "bleu"]
+    found = json.loads(_compare(*args, "--stepwise", "--json").stdout)
+    first, better, same = found["metrics"]["bleu"]["systems"]
+    pairs = [
+        compare([(a, x), (b, y)], refs, "en", ("bleu",))["bleu"]["systems"]
+        for a, x, b, y in ((files[0], worse, files[1], good), (files[1], good, files[2], good))
+    ]
+    assert found["against"] == "previous" and [first, better, same] == [pairs[0][0], pairs[0][1], pairs[1][1]]
+    assert better["diff"] > 0 and better["p_ar"] < 0.01 and same["diff"] == 0 and same["p_ar"] == 1.0
+    assert "| system | BLEU | 95% interval | − the row above |" in _compare(*args, "--stepwise").stdout
+    grouped = _compare(f"{files[0]},{files[1]}", files[2], *args[3:], "--stepwise")
+    assert grouped.exit_code == 2 and "--stepwise compares single systems, not groups" in grouped.output
+
+
 def test_a_system_of_the_same_quality_is_not_called_significantly_different():
     refs, good, _ = _corpus()
     rng = random.Random(1)

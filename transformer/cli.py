@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -165,9 +166,14 @@ def score(hyps: Path, refs: Path, lang: str, metrics: tuple[str, ...]) -> None:
     help="references, line for line; its name without the language suffix names the test set",
 )
 @_scoring
+@click.option(
+    "--stepwise", is_flag=True, help="compare each system with the one before it, not with the first (a ladder)"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 @stage
-def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str, ...], as_json: bool) -> None:
+def compare(
+    systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str, ...], stepwise: bool, as_json: bool
+) -> None:
     """Compares SYSTEMS on one test set, the first the baseline. Each is a translation file, or a git revision
     or DVC experiment whose decode@<testset> output DVC reads. Prints each score with its 95% interval, the
     difference to the baseline with its interval, and the p-values of sacreBLEU's paired approximate
@@ -176,7 +182,10 @@ def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str,
     Systems joined by commas (exp-a1,exp-a2,exp-a3: one recipe's seeds) form a group, and an existing file
     is one system whatever its name. Given a group, every argument is a group (a system alone, one of one):
     prints each group's mean and standard deviation over its systems, and the p-value of a t-test against the
-    first group (Welch's; Student's where one side is a single system)."""
+    first group (Welch's; Student's where one side is a single system).
+
+    With --stepwise, each system's difference and p-values are against the system before it: a ladder of
+    changes, each step the one before plus one more."""
     from transformer.evaluation import compare as paired
     from transformer.evaluation import groups
     from transformer.io import read_lines
@@ -184,12 +193,17 @@ def compare(systems: tuple[str, ...], refs: Path, lang: str, metrics: tuple[str,
     testset = refs.name.split(".")[0]
     found_members = [groups.members(s) for s in systems]
     if any(len(m) > 1 for m in found_members):
+        if stepwise:
+            raise click.UsageError("--stepwise compares single systems, not groups of seeds")
         loaded = [(s, [(m, paired.load_system(m, testset)) for m in ms]) for s, ms in zip(systems, found_members)]
         found, table = groups.compare_groups(loaded, read_lines(refs), lang, metrics), groups.markdown
     else:
         loaded = [(s, paired.load_system(s, testset)) for s in systems]
-        found, table = paired.compare(loaded, read_lines(refs), lang, metrics), paired.markdown
-    click.echo(json.dumps({"testset": testset, "metrics": found}, indent=1) if as_json else table(found, testset))
+        found = paired.compare(loaded, read_lines(refs), lang, metrics, stepwise=stepwise)
+        table = functools.partial(paired.markdown, stepwise=stepwise)
+    against = "previous" if stepwise else "first"
+    shown = {"testset": testset, "against": against, "metrics": found}
+    click.echo(json.dumps(shown, indent=1) if as_json else table(found, testset))
 
 
 @main.command("score-model")

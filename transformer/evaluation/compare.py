@@ -52,15 +52,27 @@ def load_system(spec: str, testset: str) -> list[str]:
 
 
 def compare(
-    systems: list[tuple[str, list[str]]], refs: list[str], lang: str, metrics: tuple[str, ...]
+    systems: list[tuple[str, list[str]]], refs: list[str], lang: str, metrics: tuple[str, ...], stepwise: bool = False
 ) -> dict[str, Any]:
     """{metric: {signature, systems: [{system, score, ci95[, diff, diff_ci95, p_ar, p_bs]}]}}, the first system
     the baseline. Every system is resampled alike (one seed, one test set), so each difference's interval
-    comes from paired resamples."""
+    comes from paired resamples. `stepwise` compares each system with the one before it instead, as a
+    ladder of changes is read: each step is the step before plus one change."""
     if len(systems) < 2:
         raise DataError("compare needs two systems or more: a baseline and what to compare with it")
     check_lengths(systems, refs)
-    return {m: _compare_metric(m, systems, refs, lang) for m in metrics}
+    if not stepwise:
+        return {m: _compare_metric(m, systems, refs, lang) for m in metrics}
+    # A system's score and interval do not depend on what it is compared with (its resamples depend only on
+    # the seed and the test set's size), so the pairs' rows join into one table.
+    pairs = [compare(systems[i : i + 2], refs, lang, metrics) for i in range(len(systems) - 1)]
+    return {
+        m: {
+            "signature": pairs[0][m]["signature"],
+            "systems": [pairs[0][m]["systems"][0]] + [p[m]["systems"][1] for p in pairs],
+        }
+        for m in metrics
+    }
 
 
 def check_lengths(systems: list[tuple[str, list[str]]], refs: list[str]) -> None:
@@ -110,13 +122,14 @@ def _p_values(name: str, hyps: list[tuple[str, list[str]]], refs: list[str], row
     return signature(name, found["ar"])
 
 
-def markdown(compared: dict[str, Any], testset: str) -> str:
+def markdown(compared: dict[str, Any], testset: str, stepwise: bool = False) -> str:
     """compare's result as a Markdown table a metric, with its signature."""
     from transformer.config import METRICS
 
     parts = []
     for metric, found in compared.items():
-        header = ["system", METRICS.get(metric, metric), "95% interval", "− baseline", "95% interval"]
+        against = "− the row above" if stepwise else "− baseline"
+        header = ["system", METRICS.get(metric, metric), "95% interval", against, "95% interval"]
         header += [f"p ({how})" for how in TESTS.values()]
         rows = [
             [

@@ -1,11 +1,12 @@
-"""Stage report: this run's section of reports/reproduction.md (scores beside published ones and our baselines)."""
+"""Stage report: this run's section of reports/reproduction.md (scores beside published ones and our baselines,
+a few test sentences translated)."""
 
 from pathlib import Path
 
 import click
 
 from transformer.config import load_params
-from transformer.io import read_json, write_text
+from transformer.io import check_aligned, read_json, read_lines, write_text
 from transformer.stage import PARAMS, stage
 
 
@@ -25,6 +26,8 @@ from transformer.stage import PARAMS, stage
 @click.option(
     "--timings", required=True, type=click.Path(path_type=Path), help="directory of the stages' --timing files"
 )
+@click.option("--raw", required=True, type=click.Path(path_type=Path), help="download's output directory")
+@click.option("--translations", required=True, type=click.Path(path_type=Path), help="directory of <testset>.txt")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="the report; other sections are kept")
 @click.option(
     "--track/--no-track", default=True, show_default=True, help="log this section into that evaluation's MLflow run"
@@ -37,6 +40,8 @@ def main(
     evaluation: Path,
     model_path: Path,
     timings: Path,
+    raw: Path,
+    translations: Path,
     out: Path,
     track: bool,
 ) -> None:
@@ -51,15 +56,22 @@ def main(
     model = checkpoints.load(model_path)
     scored = read_json(scores)
     scored = {t: scored[t] for t in params.decode.testsets if t in scored}  # in params order
+    anchors = report.load_anchors(d.corpus, d.src_lang, d.tgt_lang)
+    testset = report.headline_testset(scored, anchors)
+    files = [raw / f"{testset}.{d.src_lang}", raw / f"{testset}.{d.tgt_lang}", translations / f"{testset}.txt"]
+    sides = [read_lines(f) for f in files]
+    for path, lines in zip(files[1:], sides[1:]):
+        check_aligned([files[0], path], [len(sides[0]), len(lines)], f"{testset} test set")
     body = report.section(
         params,
         scored,
         read_json(signatures),
         describe_model(model),
         report.load_timings(timings, params.decode.testsets),
-        report.load_anchors(d.corpus, d.src_lang, d.tgt_lang),
+        anchors,
         hardware(),
         git_commit(),
+        shown=(testset, report.examples(*sides)),
     )
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""

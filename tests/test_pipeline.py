@@ -85,6 +85,10 @@ def _assert_report_has_every_stage_and_score(repo, scores):
     assert low <= test2016["bleu"] <= high
     assert f"| toy | de→en | test2016 | {with_interval(test2016['bleu'], [low, high])} |" in report  # the headline row
     assert f"nrefs:1|bs:{BOOTSTRAP}|seed:12345|case:mixed|eff:no|tok:13a" in report.replace("\\|", "|")
+    source = (repo / "data/raw/test2016.de").read_text().splitlines()[0]
+    ours = (repo / "data/translations/test2016.txt").read_text().splitlines()[0]
+    assert "Translations of a few test2016 sentences:" in report and f"| 1 | {source} | " in report
+    assert f" | {ours} | " in report.split("| 1 | ")[1].splitlines()[0]  # the first line's translation, ours
 
 
 def _assert_mlflow_runs_have_curves_and_scores(repo, scores):

@@ -60,6 +60,30 @@ def _section(corpus="multi30k", src="de", tgt="en", timings=None, anchors=(ANCHO
     return report.section(params, SCORES, SIGNATURES, MODEL, timings, list(anchors), "2 CPU cores", "abc123")
 
 
+def test_examples_are_sentences_spread_over_the_test_set_with_their_sentence_bleu():
+    sources = [f"satz {i}" for i in range(10)]
+    references = [f"a man rides sentence {i} ." for i in range(10)]
+    translations = [r if i % 4 else "the | dog" for i, r in enumerate(references)]
+    lines = report.examples(sources, references, translations, count=3)
+    assert lines[0] == "| line | source | reference | translation | sentence BLEU |"
+    assert lines[2:] == [
+        "| 1 | satz 0 | a man rides sentence 0 . | the \\| dog | 0.0 |",  # its "|" escaped: one cell still
+        "| 4 | satz 3 | a man rides sentence 3 . | a man rides sentence 3 . | 100.0 |",
+        "| 7 | satz 6 | a man rides sentence 6 . | a man rides sentence 6 . | 100.0 |",
+    ]
+    assert len(report.examples(sources[:2], references[:2], translations[:2], count=5)) == 2 + 2  # no line twice
+
+
+def test_a_section_shows_its_examples_after_the_recipe():
+    body = _section()
+    assert "Translations of a few" not in body
+    params = params_from_dict(tiny_params())
+    shown = ("test2016", report.examples(["satz"], ["a man ."], ["a man ."]))
+    body = report.section(params, SCORES, SIGNATURES, MODEL, {}, [ANCHOR], "2 CPU cores", "abc123", shown=shown)
+    assert "Translations of a few test2016 sentences:\n\n| line | source |" in body
+    assert body.index("Recipe:") < body.index("| 1 | satz | a man . | a man . | 100.0 |") < body.index("Wall time")
+
+
 def test_section_sets_ours_beside_the_published_figure_in_its_metric():
     text = _section()
     assert (

@@ -15,6 +15,7 @@ from transformer.evaluation.score import interval, values, with_interval
 from transformer.io import DataError, read_json
 
 ANCHORS = Path(__file__).with_name("anchors.yaml")
+EXAMPLES = 5  # test sentences a section shows translated
 KINDS = ("published", "baseline")  # a figure from the literature, or one of our own calibration runs
 TITLE = """# Reproduction report
 
@@ -74,8 +75,7 @@ def headline(
     """The one-row summary: the anchors' test set (else the last one), every metric, the published
     figures and our baselines on it, the pipeline's time."""
     d = params.data
-    named = [a["testset"] for a in anchors if a["testset"] in scores]
-    testset = named[0] if named else list(scores)[-1]
+    testset = headline_testset(scores, anchors)
     s = scores[testset]
     beside = [
         ", ".join(
@@ -90,6 +90,34 @@ def headline(
     cells = [with_interval(s[m], interval(s, m)) if m in s else "-" for m in METRICS]
     row = [d.corpus, _direction(params), testset, *cells, *beside, _minutes(total)]
     return markdown_table(["corpus", "direction", "test set", *METRICS.values(), *KINDS, "pipeline wall time"], [row])
+
+
+def headline_testset(scores: dict[str, Any], anchors: list[dict[str, Any]]) -> str:
+    """The test set a section leads with: the first the anchors name, else the last decoded."""
+    named = [a["testset"] for a in anchors if a["testset"] in scores]
+    return named[0] if named else list(scores)[-1]
+
+
+def examples(sources: list[str], references: list[str], translations: list[str], count: int = EXAMPLES) -> list[str]:
+    """`count` of a test set's sentences, spread evenly over it, the same lines every run so that two
+    recipes' sections show the same sentences: the source, the reference, our translation and its
+    sentence BLEU (sacreBLEU's, with the effective order a single sentence needs: a rough guide to one
+    sentence, where corpus BLEU is the score)."""
+    from sacrebleu.metrics import BLEU
+
+    bleu = BLEU(effective_order=True)
+    picked = sorted({i * len(references) // count for i in range(count)})
+    rows = [
+        [
+            i + 1,
+            sources[i],
+            references[i],
+            translations[i],
+            round(bleu.sentence_score(translations[i], [references[i]]).score, 1),
+        ]
+        for i in picked
+    ]
+    return markdown_table(["line", "source", "reference", "translation", "sentence BLEU"], rows)
 
 
 def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], kind: str) -> list[str]:
@@ -222,7 +250,9 @@ def section(
     anchors: list[dict[str, Any]],
     hardware: str,
     commit: str | None,
+    shown: tuple[str, list[str]] = ("", []),
 ) -> str:
+    """The section of one run: `shown` is a test set's name and the lines of `examples` from it."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     baselines = any(a["kind"] == "baseline" for a in anchors)
     parts = [
@@ -252,6 +282,7 @@ def section(
         "",
         *recipe(params, model),
         "",
+        *([f"Translations of a few {shown[0]} sentences:", "", *shown[1], ""] if shown[1] else []),
         "Wall time per stage (each stage's process, start-up included; DVC's own bookkeeping between stages is not):",
         "",
         *timing_table(timings),

@@ -8,8 +8,17 @@ from conftest import BIN, ROOT, run, tiny_config, tiny_model
 
 from transformer import checkpoints
 from transformer.config import load_params
-from transformer.data.vocab import SPECIALS, WordVocab
-from transformer.evaluation.figures import WARMUPS, attention_maps, draw_figures, loss_figure, read_tsv, schedule_curves
+from transformer.data.tokenize import JOINER
+from transformer.data.vocab import BOS, EOS, SPECIALS, BpeVocab, WordVocab
+from transformer.evaluation.figures import (
+    WARMUPS,
+    attention_maps,
+    draw_figures,
+    labels,
+    loss_figure,
+    read_tsv,
+    schedule_curves,
+)
 from transformer.io import DataError
 
 WORDS = ["kan", "pen", "bin", "don", "."]
@@ -60,6 +69,21 @@ def test_attention_maps_are_distributions_over_each_sentences_own_tokens():
     assert maps[0].src == ["kan", "pen", ".", "</s>"]
 
 
+def test_labels_show_words_and_pieces_as_a_reader_takes_them():
+    lines = [f"Zwei Hunde laufen {JOINER}.", f"Ein Hund schläft {JOINER}!"] * 30  # as tokenize writes them
+    bpe = BpeVocab.train(lines, 30, seed=0)
+    ids = bpe.encode(f"Hunde laufen {JOINER}.")
+    pieces = [bpe.sp.id_to_piece(i) for i in ids]
+    shown = labels(bpe, [BOS, *ids, EOS])
+    assert shown[0] == "<s>" and shown[-1] == "</s>" and len(shown) == len(ids) + 2
+    assert "".join(shown[1:-1]).replace("·", "") == "Hundelaufen."
+    assert not any("\u2581" in t or JOINER in t for t in shown)
+    starts = [i for i, p in enumerate(pieces) if p.startswith("\u2581")]
+    assert [i for i, t in enumerate(shown[1:-1]) if not t.startswith("·")] == starts  # a word's first piece, bare
+    words = WordVocab(list(SPECIALS) + ["Hunde", f"{JOINER}."])
+    assert labels(words, [BOS, 4, 5, EOS]) == ["<s>", "Hunde", ".", "</s>"]
+
+
 def test_attention_recording_is_switched_off_afterwards():
     model, vocab, _ = _tiny()
     attention_maps(model, vocab, vocab, ["kan pen ."], max_len_extra=2)
@@ -98,6 +122,7 @@ def test_draw_figures_writes_every_png_and_no_temporary_file(tmp_path):
     assert [p.name for p in drawn] == sorted(
         ["lr_schedule.png", "loss.png"]
         + [f"attention_{n}_{kind}.png" for n in (1, 2, 3) for kind in ("encoder", "decoder", "source")]
+        + ["alignment_1.png"]
     )
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -135,9 +160,9 @@ def test_figures_stage_draws_the_same_bytes_in_two_processes_and_reports_a_missi
             tmp_path,
             env={"PYTHONHASHSEED": hash_seed},
         )
-        assert "drew 11 figures" in result.stderr
+        assert "drew 12 figures" in result.stderr
         drawn[out] = {p.name: p.read_bytes() for p in sorted((tmp_path / out).iterdir())}
-    assert len(drawn["figures"]) == 11 and drawn["figures"] == drawn["figures2"]
+    assert len(drawn["figures"]) == 12 and drawn["figures"] == drawn["figures2"]
     cmd += ["--out", str(tmp_path / "figures")]
     failed = run(cmd + ["--model", str(tmp_path / "missing.pt")], tmp_path, check=False)
     assert failed.returncode == 1 and "error:" in failed.stderr and "missing.pt" in failed.stderr

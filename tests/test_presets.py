@@ -118,4 +118,4 @@ def test_preset_runs_end_to_end_on_a_mirror_of_its_corpus(tmp_path, preset, buil
     assert "<" not in (raw / f"{test}.{data['tgt_lang']}").read_text()  # only the <seg> text
     translations = (repo / f"data/translations/{test}.txt").read_text().splitlines()
     assert len(translations) == (75 if iwslt else 40)  # IWSLT14: 5 sets of 15
-    assert len(list((repo / "reports/figures").glob("*.png"))) == 11
+    assert len(list((repo / "reports/figures").glob("*.png"))) == 12

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from transformer.data.tokenize import JOINER
-from transformer.data.vocab import BOS, EOS, PAD, BpeVocab, Vocab, model_vocabs
+from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab, Vocab, model_vocabs
 from transformer.decoding.search import greedy
 from transformer.io import DataError, atomic_dir, read_lines
 from transformer.model.model import Transformer
@@ -19,6 +19,8 @@ from transformer.training.schedule import rate
 
 SENTENCES = 3  # the first non-empty sentences of the source file are drawn
 WARMUPS = (2000, 4000, 8000)  # schedules drawn beside the params' own, for comparison
+SPECIAL_IDS = range(len(SPECIALS))  # <s>, </s>, <blank>, <unk>: the first ids of every vocabulary
+WORD_START = "\u2581"  # ▁, sentencepiece's mark of a piece that begins a word
 PNG = {"dpi": 100, "metadata": {"Software": None}}  # no version stamp: same model, same bytes
 
 
@@ -35,10 +37,21 @@ class AttentionMaps:
 
 
 def labels(vocab: Vocab, ids: list[int]) -> list[str]:
-    """Token strings for axis labels: BPE pieces or words, specials included. The joiner mark
-    becomes ■, which matplotlib's default font can draw."""
-    tokens = [vocab.sp.id_to_piece(i) for i in ids] if isinstance(vocab, BpeVocab) else [vocab.itos[i] for i in ids]
-    return [t.replace(JOINER, "■") for t in tokens]
+    """Axis labels as a reader takes the tokens: a word, or a word's first BPE piece, bare; a piece
+    that goes on with the word before it after a middle dot (`bran`, `·ches`); specials as they are.
+    The marks the model reads go: sentencepiece's ▁, which begins a word, and the tokenizer's joiner
+    ￭, which glues punctuation to what precedes it."""
+    if not isinstance(vocab, BpeVocab):
+        return [vocab.itos[i].replace(JOINER, "") for i in ids]
+    shown = []
+    for i in ids:
+        piece = vocab.sp.id_to_piece(i)
+        if i in SPECIAL_IDS:
+            shown.append(piece)
+            continue
+        text = piece.replace(JOINER, "")
+        shown.append(text[1:] if text.startswith(WORD_START) else "·" + text)
+    return shown
 
 
 @torch.no_grad()
@@ -127,6 +140,7 @@ def draw_figures(
     with atomic_dir(out_dir) as tmp:
         for n, m in enumerate(maps, 1):
             sentence_heatmaps(m, n, tmp)
+        alignment(maps[0], tmp / "alignment_1.png")
         lr_figure(d_model, factor, warmup, steps, tmp / "lr_schedule.png", cooldown)
         loss_figure(steps, epochs, tmp / "loss.png")
         names = sorted(p.name for p in tmp.iterdir())
@@ -150,6 +164,23 @@ def sentence_heatmaps(m: AttentionMaps, n: int, out_dir: Path) -> None:
     for name, (weights, rows, cols, what, xlabel, ylabel) in maps.items():
         title = f"{what}, last layer, sentence {n}"
         heatmaps(weights, rows, cols, out_dir / f"attention_{n}_{name}.png", title=title, xlabel=xlabel, ylabel=ylabel)
+
+
+def alignment(m: AttentionMaps, path: Path) -> None:
+    """One sentence's decoder-source attention in the last layer, averaged over its heads, large enough
+    to read at a page's width: for each word the model writes, where in the source it looked."""
+    from matplotlib.figure import Figure
+
+    weights = m.source.float().mean(0)
+    fig = Figure(figsize=(1.5 + 0.42 * len(m.src), 1.2 + 0.42 * len(m.outputs)), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(weights.numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
+    ax.set_xticks(range(len(m.src)), m.src, rotation=60, ha="right", rotation_mode="anchor", fontsize=12)
+    ax.set_yticks(range(len(m.outputs)), m.outputs, fontsize=12)
+    ax.set(xlabel="source", ylabel="translation (each row: the word being written)")
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight, mean of the heads")
+    fig.suptitle("Where the translation looks in the source: the last layer's source attention")
+    fig.savefig(path, **PNG)
 
 
 def heatmaps(

@@ -1,0 +1,109 @@
+"""The ladder from the Annotated Transformer's recipe to this project's default (docs/ladder.yaml): step 0
+is the preset, each later step the one before with one more change, and the last step the default. Each
+step is a DVC experiment at the default's seed; the table compares each step with the one before it.
+
+    python docs/tools/ladder.py run       # runs each step in the workspace: dvc exp run -n ladder-<k> -S ...
+    python docs/tools/ladder.py table     # compares the steps on test2016: reports/ladder.json, which
+                                           # the annotated page shows
+
+`run` goes from the last step to the first, in the workspace rather than DVC's queue, so that a step
+that changes only the averaging or the search takes the finished training of the step after it from
+the checkpoints the workspace keeps (`train.keep`) instead of training again; params.yaml is put back
+after each step. `table` reads each step's translations from its experiment; given files instead (one a step,
+in order), it compares those."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from transformer.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = Path("docs/ladder.yaml")
+RESULTS = Path("reports/ladder.json")
+TESTSET = "test2016"
+
+
+def steps(root: Path = ROOT) -> list[dict[str, Any]]:
+    """[{name, change, overrides: {"section.key": value}}] a step, the overrides those of the step's
+    `-S` options: the preset's keys that no step up to it has set back to the default. Refuses, naming
+    docs/ladder.yaml, a key the preset does not change, one set back twice, or a last step that is not
+    the default."""
+    from transformer.presets import delta
+
+    spec = yaml.safe_load((root / SPEC).read_text(encoding="utf-8"))
+    left = {
+        f"{s}.{k}": v
+        for s, keys in delta(spec["preset"], root).items()
+        if s not in spec["names"]
+        for k, v in keys.items()
+    }
+    found = []
+    for k, step in enumerate(spec["steps"]):
+        for key in step["to_default"]:
+            if key not in left:
+                raise ConfigError(
+                    f"{SPEC}: step {k} sets {key} back, which the preset or an earlier step left at the default"
+                )
+            del left[key]
+        found.append({"name": f"ladder-{k}", "change": step["change"], "overrides": dict(left)})
+    if left:
+        raise ConfigError(f"{SPEC}: the last step is not the default: {', '.join(left)} still differ")
+    return found
+
+
+def options(overrides: dict[str, Any]) -> list[str]:
+    """`-S key=value` a key, each value as params.yaml writes it."""
+    shown = {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in overrides.items()}
+    return [word for key, value in shown.items() for word in ("-S", f"{key}={value}")]
+
+
+@click.group()
+def main() -> None:
+    """The ladder from the Annotated Transformer's recipe to the default."""
+
+
+@main.command()
+@click.argument("numbers", nargs=-1, type=int)
+def run(numbers: tuple[int, ...]) -> None:
+    """Runs the steps NUMBERS (all by default), last first, as DVC experiments in the workspace. Hours on
+    a CPU: each step that trains takes as long as its recipe does."""
+    params = Path("params.yaml")
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(params)]).returncode:
+        raise click.UsageError(f"{params} differs from the last commit: commit or stash it, the steps start from it")
+    found = steps()
+    for k in sorted(numbers or range(len(found)), reverse=True):
+        step, kept = found[k], params.read_bytes()
+        try:
+            subprocess.run(["dvc", "exp", "run", "-n", step["name"], *options(step["overrides"])], check=True)
+        finally:
+            params.write_bytes(kept)
+
+
+@main.command()
+@click.argument("systems", nargs=-1)
+@click.option("--refs", default=f"data/raw/{TESTSET}.en", show_default=True, help="the test set's references")
+@click.option("--lang", default="en", show_default=True, help="the target language")
+def table(systems: tuple[str, ...], refs: str, lang: str) -> None:
+    """Compares each step with the one before on the test set and writes reports/ladder.json."""
+    from transformer.config import CHOICES
+    from transformer.evaluation.compare import compare, load_system
+    from transformer.io import read_lines, write_json
+
+    found = steps()
+    systems = systems or tuple(step["name"] for step in found)
+    if len(systems) != len(found):
+        raise click.UsageError(f"{len(found)} steps but {len(systems)} systems")
+    loaded = [(step["name"], load_system(system, TESTSET)) for step, system in zip(found, systems)]
+    compared = compare(loaded, read_lines(refs), lang, CHOICES["score.metrics"], stepwise=True)
+    write_json(RESULTS, {"testset": TESTSET, "steps": found, "metrics": compared})
+    click.echo(f"wrote {RESULTS}", err=True)
+
+
+if __name__ == "__main__":
+    main()

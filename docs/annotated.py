@@ -909,6 +909,33 @@ print(f"test2016 BLEU: default {ours}, annotated_transformer {theirs}")
 # %% [markdown]
 # Both are single runs of one seed; the README says how far a seed alone moves a score.
 #
+# ### From that recipe to ours, one change at a time
+#
+# What is each departure worth? The ladder in `docs/ladder.yaml` starts from the preset and sets
+# its keys back to the default a few at a time, one change a step, until the last step is the
+# default recipe; every step trains at the default's seed on one host class, and
+# `transformer compare --stepwise` compares each step with the one before it on test2016. A step
+# that changes only the averaging or the search reuses the training of the step after it. Each
+# row: the step's BLEU with its 95% bootstrap interval, the difference to the step above with the
+# difference's interval, and the p-value of the paired approximate-randomization test; a change
+# pays, or costs, where p is below 0.05.
+# The ladder's two ends are single runs on that one host class, so they can differ from the
+# README's rows of the same recipes, which come from runs of their own.
+# `python docs/tools/ladder.py run` runs the steps (hours on a CPU) and
+# `python docs/tools/ladder.py table` writes the table, `reports/ladder.json`, that this cell reads:
+
+# %%
+ladder = json.load(open("reports/ladder.json"))
+for k, (step, row) in enumerate(zip(ladder["steps"], ladder["metrics"]["bleu"]["systems"])):
+    print(f"{k}. {step['change']}")
+    line = f"   BLEU {row['score']:5.2f} {row['ci95']}"
+    if "diff" in row:
+        verdict = "no significant difference" if row["p_ar"] >= 0.05 else "pays" if row["diff"] > 0 else "costs"
+        line += f"   {row['diff']:+.2f} {row['diff_ci95']}, p {row['p_ar']:.4f}: {verdict}"
+    print(line)
+print(f"signature: {ladder['metrics']['bleu']['signature']}")
+
+# %% [markdown]
 # ## What the pipeline adds
 #
 # The cells above are the model; the pipeline around it makes a run repeatable and cheap to redo:

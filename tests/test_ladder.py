@@ -114,3 +114,16 @@ def test_table_compares_each_step_with_the_one_before_it(tmp_path, monkeypatch):
     ]
     short = CliRunner().invoke(ladder.main, ["table", *map(str, systems[:3]), "--refs", "test2016.en"])
     assert short.exit_code == 2 and "7 steps but 3 systems" in short.output
+
+
+def test_the_committed_table_is_of_the_ladder_as_it_is_defined():
+    committed = json.loads((ROOT / ladder.RESULTS).read_text())
+    assert committed["steps"] == ladder.steps() and committed["testset"] == ladder.TESTSET
+    assert [row["system"] for row in committed["metrics"]["bleu"]["systems"]] == [s["name"] for s in ladder.steps()]
+
+
+def test_the_annotated_page_shows_the_committed_table():
+    committed = json.loads((ROOT / ladder.RESULTS).read_text())
+    page = (ROOT / "docs" / "annotated.md").read_text()
+    for k, (step, row) in enumerate(zip(committed["steps"], committed["metrics"]["bleu"]["systems"])):
+        assert f"{k}. {step['change']}\n   BLEU {row['score']:5.2f} {row['ci95']}" in page, step["name"]

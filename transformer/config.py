@@ -445,13 +445,13 @@ def param_tables(defaults: dict[str, dict[str, Any]]) -> str:
         hints = typing.get_type_hints(_SECTION_TYPES[section])
         for f in dataclasses.fields(_SECTION_TYPES[section]):
             values = ", ".join([_TYPE_WORDS[hints[f.name]]] + [rule.shown for rule in f.metadata["rules"]])
-            cells = [f"`{f.name}`", f.metadata["meaning"], values, f"`{_yaml(defaults[section][f.name])}`"]
+            cells = [f"`{f.name}`", f.metadata["meaning"], values, f"`{yaml_value(defaults[section][f.name])}`"]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def _yaml(value: Any) -> str:
+def yaml_value(value: Any) -> str:
     """A value as params.yaml writes it."""
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -59,8 +59,9 @@ def steps(root: Path = ROOT) -> list[dict[str, Any]]:
 
 def options(overrides: dict[str, Any]) -> list[str]:
     """`-S key=value` a key, each value as params.yaml writes it."""
-    shown = {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in overrides.items()}
-    return [word for key, value in shown.items() for word in ("-S", f"{key}={value}")]
+    from transformer.config import yaml_value
+
+    return [word for key, value in overrides.items() for word in ("-S", f"{key}={yaml_value(value)}")]
 
 
 @click.group()

@@ -181,41 +181,6 @@ def test_decode_experiment_gets_an_evaluation_run_nested_under_the_unchanged_tra
     assert {t.key: t.value for t in reference.tags} == {"mlflow.data.context": "evaluation", "sha256": digest}
 
 
-def test_each_queued_experiment_gets_one_evaluation_run_with_its_params_name_and_scores(repo):
-    before = mlflow_runs(repo)
-    for beam in (1, 3):
-        run([DVC, "exp", "run", "--queue", "-S", f"decode.beam={beam}"], repo)
-    assert not [e for e in _experiments(repo) if e["params"]["decode"]["beam"] != 2 and e["scores"]]  # queued, not run
-    try:
-        run([DVC, "exp", "run", "--run-all"], repo, timeout=560)  # runs the queue and waits for every result
-    finally:
-        run([DVC, "queue", "stop"], repo, check=False)
-    after = mlflow_runs(repo)
-    new = [after[i] for i in after.keys() - before.keys()]
-    assert len(new) == 2, [r.info.run_name for r in new]
-    for beam in (1, 3):
-        exp = _named(repo, "decode", "beam", beam)
-        assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
-        (evaluation,) = [r for r in new if r.data.params["decode.beam"] == str(beam)]
-        _assert_evaluation_run(evaluation, _training_run_id(before), exp, "decode.beam", beam)
-        _assert_report_section(repo, evaluation, exp)
-
-
-def test_temp_experiment_logs_into_the_repo_root_mlflow_db(repo):
-    out = run([DVC, "exp", "run", "--temp", "-S", "train.warmup=70"], repo, timeout=300)
-    assert _ran(out.stdout) == DOWNSTREAM_OF_TRAIN, out.stdout
-    exp = _named(repo, "train", "warmup", 70)
-    assert exp["name"] in out.stdout + out.stderr
-    runs = mlflow_runs(repo).values()
-    (training,) = [r for r in runs if r.data.params.get("train.warmup") == "70"]
-    assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"
-    (evaluation,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
-    _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
-    client = mlflow_client(repo)
-    assert {"model", "figures", "vocab"} <= {a.path for a in client.list_artifacts(training.info.run_id)}
-    assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
-
-
 def test_pushed_model_is_pulled_into_a_fresh_clone_without_retraining(repo, tmp_path):
     run([DVC, "remote", "add", "-d", "local", str(tmp_path / "remote")], repo)
     _commit(repo, "remote")
@@ -280,12 +245,15 @@ def test_pipeline_logs_to_a_real_tracking_server(tmp_path, mlflow_server):
 
 @pytest.mark.timeout(1800)  # two trainings at once, on a CI runner's two cores
 def test_two_queued_training_experiments_run_side_by_side_each_with_its_own_runs(repo):
-    """`dvc queue start -j 2`: two experiments that each train run at once, in workspaces of their own,
-    logging to the one mlflow.db. torchrun is left to pick a free port for each (as it does for one node
-    when PET_MASTER_PORT is unset), as two trainings on one host need."""
+    """`dvc queue start -j 2`: two experiments that each train run at once, each in a temporary copy of its
+    own under .dvc/tmp/exps (as `dvc exp run --temp` runs too), all logging to the repository root's
+    mlflow.db, each run named and tagged with its experiment. torchrun is left to pick a free port for
+    each (as it does for one node when PET_MASTER_PORT is unset), as two trainings on one host need."""
     before = mlflow_runs(repo)
     for warmup in (50, 70):
         run([DVC, "exp", "run", "--queue", "-S", f"train.warmup={warmup}"], repo)
+    queued = [e for e in _experiments(repo) if e["params"]["train"]["warmup"] != 100]
+    assert len(queued) == 2 and not [e for e in queued if e["scores"]]  # queued, not run
     try:
         env = {k: v for k, v in tool_env().items() if k != "PET_MASTER_PORT"}
         # The workers it starts outlive it: output to a file, as a pipe would stay open until they end.
@@ -299,16 +267,20 @@ def test_two_queued_training_experiments_run_side_by_side_each_with_its_own_runs
     for name in names:
         logs = run([DVC, "queue", "logs", name], repo).stdout
         assert "Traceback" not in logs and "ERROR" not in logs, logs[-3000:]
-    after = mlflow_runs(repo)
+    after, client = mlflow_runs(repo), mlflow_client(repo)
     new = {i: after[i] for i in after.keys() - before.keys()}
     trainings = [r for r in new.values() if "mlflow.parentRunId" not in r.data.tags]
     assert sorted(r.data.params["train.warmup"] for r in trainings) == ["50", "70"]
     for training in trainings:
         exp = _named(repo, "train", "warmup", int(training.data.params["train.warmup"]))
         assert exp["scores"]["test2016"]["bleu"] > TOY_BLEU_FLOOR, exp["scores"]
+        assert training.data.tags["dvc_exp_name"] == exp["name"] and training.info.run_name == f"train · {exp['name']}"
         (evaluation,) = [r for r in new.values() if r.data.tags.get("mlflow.parentRunId") == training.info.run_id]
         _assert_evaluation_run(evaluation, training.info.run_id, exp, "decode.beam", 2)
+        _assert_report_section(repo, evaluation, exp)
         assert training.info.status == evaluation.info.status == "FINISHED"
+        assert {"model", "figures", "vocab"} <= {a.path for a in client.list_artifacts(training.info.run_id)}
+        assert {"translations", "reports"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
     assert len(new) == 4, [r.info.run_name for r in new.values()]
 
 

@@ -936,6 +936,23 @@ for k, (step, row) in enumerate(zip(ladder["steps"], ladder["metrics"]["bleu"]["
 print(f"signature: {ladder['metrics']['bleu']['signature']}")
 
 # %% [markdown]
+# And in sentences: five of test2016's, spread evenly over it, as the two ends of the ladder
+# translate them, the Annotated Transformer's recipe (step 0) and ours (the last step). Each
+# translation carries its sentence BLEU, a rough guide to one sentence: it counts shared n-grams,
+# so a better sentence can score lower (the first line), and the corpus's BLEU above is the
+# measure. The same table's rows, every step's translation of each line, are in
+# `reports/ladder.json`.
+
+# %%
+last = len(ladder["steps"]) - 1
+for row in ladder["examples"]:
+    print(f"line {row['line']}")
+    print(f"  source     {row['source']}")
+    print(f"  reference  {row['reference']}")
+    for k in (0, last):
+        print(f"  step {k}     {row['translations'][k]}  (sentence BLEU {row['bleu'][k]})")
+
+# %% [markdown]
 # ## What the pipeline adds
 #
 # The cells above are the model; the pipeline around it makes a run repeatable and cheap to redo:

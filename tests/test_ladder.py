@@ -98,9 +98,16 @@ def test_table_compares_each_step_with_the_one_before_it(tmp_path, monkeypatch):
         systems.append(tmp_path / f"step{k}.txt")
         systems[-1].write_text("".join(line + "\n" for line in lines))
     (tmp_path / "test2016.en").write_text("".join(r + "\n" for r in refs))
-    result = CliRunner().invoke(ladder.main, ["table", *map(str, systems), "--refs", "test2016.en"])
+    (tmp_path / "test2016.de").write_text("".join(f"satz {i}\n" for i in range(len(refs))))
+    files = ["--sources", "test2016.de", "--refs", "test2016.en"]
+    result = CliRunner().invoke(ladder.main, ["table", *map(str, systems), *files])
     assert result.exit_code == 0, result.output
     written = json.loads((tmp_path / ladder.RESULTS).read_text())
+    # A few sentences, spread over the test set, as every step translates them.
+    assert [row["line"] for row in written["examples"]] == [1, 7, 13, 19, 25]
+    line = written["examples"][2]
+    assert line["source"] == "satz 12" and line["reference"] == refs[12]
+    assert line["translations"] == [s.read_text().splitlines()[12] for s in systems] and len(line["bleu"]) == 7
     assert written["steps"] == ladder.steps() and written["testset"] == "test2016"
     rows = written["metrics"]["bleu"]["systems"]
     pair = compare(
@@ -112,8 +119,11 @@ def test_table_compares_each_step_with_the_one_before_it(tmp_path, monkeypatch):
     assert [row["system"] for row in rows] == [f"ladder-{k}" for k in range(7)] and rows[3] == pair["bleu"]["systems"][
         1
     ]
-    short = CliRunner().invoke(ladder.main, ["table", *map(str, systems[:3]), "--refs", "test2016.en"])
+    short = CliRunner().invoke(ladder.main, ["table", *map(str, systems[:3]), *files])
     assert short.exit_code == 2 and "7 steps but 3 systems" in short.output
+    (tmp_path / "test2016.de").write_text("satz\n")
+    misaligned = CliRunner().invoke(ladder.main, ["table", *map(str, systems), *files])
+    assert "test2016.de: has 1 lines, but test2016.en has 30" in str(misaligned.exception)
 
 
 def test_the_committed_table_is_of_the_ladder_as_it_is_defined():
@@ -127,3 +137,7 @@ def test_the_annotated_page_shows_the_committed_table():
     page = (ROOT / "docs" / "annotated.md").read_text()
     for k, (step, row) in enumerate(zip(committed["steps"], committed["metrics"]["bleu"]["systems"])):
         assert f"{k}. {step['change']}\n   BLEU {row['score']:5.2f} {row['ci95']}" in page, step["name"]
+    last = len(committed["steps"]) - 1
+    for row in committed["examples"]:
+        shown = f"  step {last}     {row['translations'][last]}  (sentence BLEU {row['bleu'][last]})"
+        assert f"  source     {row['source']}\n" in page and shown in page, row["line"]

@@ -3,8 +3,9 @@ is the preset, each later step the one before with one more change, and the last
 step is a DVC experiment at the default's seed; the table compares each step with the one before it.
 
     python docs/tools/ladder.py run       # runs each step in the workspace: dvc exp run -n ladder-<k> -S ...
-    python docs/tools/ladder.py table     # compares the steps on test2016: reports/ladder.json, which
-                                           # the annotated page shows
+    python docs/tools/ladder.py table     # compares the steps on test2016 and keeps a few sentences as
+                                           # each step translates them: reports/ladder.json, which the
+                                           # annotated page shows
 
 `run` goes from the last step to the first, in the workspace rather than DVC's queue, so that a step
 that changes only the averaging or the search takes the finished training of the step after it from
@@ -88,21 +89,27 @@ def run(numbers: tuple[int, ...]) -> None:
 
 @main.command()
 @click.argument("systems", nargs=-1)
+@click.option("--sources", default=f"data/raw/{TESTSET}.de", show_default=True, help="the test set's sources")
 @click.option("--refs", default=f"data/raw/{TESTSET}.en", show_default=True, help="the test set's references")
 @click.option("--lang", default="en", show_default=True, help="the target language")
-def table(systems: tuple[str, ...], refs: str, lang: str) -> None:
-    """Compares each step with the one before on the test set and writes reports/ladder.json."""
+def table(systems: tuple[str, ...], sources: str, refs: str, lang: str) -> None:
+    """Compares each step with the one before on the test set and writes reports/ladder.json, with a few
+    of the test set's sentences as each step translates them."""
     from transformer.config import CHOICES
     from transformer.evaluation.compare import compare, load_system
-    from transformer.io import read_lines, write_json
+    from transformer.evaluation.report import example_rows
+    from transformer.io import check_aligned, read_lines, write_json
 
     found = steps()
     systems = systems or tuple(step["name"] for step in found)
     if len(systems) != len(found):
         raise click.UsageError(f"{len(found)} steps but {len(systems)} systems")
     loaded = [(step["name"], load_system(system, TESTSET)) for step, system in zip(found, systems)]
-    compared = compare(loaded, read_lines(refs), lang, CHOICES["score.metrics"], stepwise=True)
-    write_json(RESULTS, {"testset": TESTSET, "steps": found, "metrics": compared})
+    source_lines, references = read_lines(sources), read_lines(refs)
+    check_aligned([Path(sources), Path(refs)], [len(source_lines), len(references)], f"{TESTSET} test set")
+    compared = compare(loaded, references, lang, CHOICES["score.metrics"], stepwise=True)
+    examples = example_rows(source_lines, references, [lines for _, lines in loaded])
+    write_json(RESULTS, {"testset": TESTSET, "steps": found, "metrics": compared, "examples": examples})
     click.echo(f"wrote {RESULTS}", err=True)
 
 

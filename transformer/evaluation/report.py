@@ -99,25 +99,36 @@ def headline_testset(scores: dict[str, Any], anchors: list[dict[str, Any]]) -> s
 
 
 def examples(sources: list[str], references: list[str], translations: list[str], count: int = EXAMPLES) -> list[str]:
+    """A Markdown table of example_rows's sentences: the source, the reference, our translation and its
+    sentence BLEU."""
+    rows = [
+        [row["line"], row["source"], row["reference"], row["translations"][0], row["bleu"][0]]
+        for row in example_rows(sources, references, [translations], count)
+    ]
+    return markdown_table(["line", "source", "reference", "translation", "sentence BLEU"], rows)
+
+
+def example_rows(
+    sources: list[str], references: list[str], systems: list[list[str]], count: int = EXAMPLES
+) -> list[dict[str, Any]]:
     """`count` of a test set's sentences, spread evenly over it, the same lines every run so that two
-    recipes' sections show the same sentences: the source, the reference, our translation and its
-    sentence BLEU (sacreBLEU's, with the effective order a single sentence needs: a rough guide to one
-    sentence, where corpus BLEU is the score)."""
+    recipes show the same sentences: each line's number (from 1), source and reference, and each
+    system's translation with its sentence BLEU (sacreBLEU's, with the effective order a single
+    sentence needs: a rough guide to one sentence, where corpus BLEU is the score)."""
     from sacrebleu.metrics import BLEU
 
     bleu = BLEU(effective_order=True)
     picked = sorted({i * len(references) // count for i in range(count)})
-    rows = [
-        [
-            i + 1,
-            sources[i],
-            references[i],
-            translations[i],
-            round(bleu.sentence_score(translations[i], [references[i]]).score, 1),
-        ]
+    return [
+        {
+            "line": i + 1,
+            "source": sources[i],
+            "reference": references[i],
+            "translations": [lines[i] for lines in systems],
+            "bleu": [round(bleu.sentence_score(lines[i], [references[i]]).score, 1) for lines in systems],
+        }
         for i in picked
     ]
-    return markdown_table(["line", "source", "reference", "translation", "sentence BLEU"], rows)
 
 
 def comparison(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]], kind: str) -> list[str]:

@@ -40,6 +40,7 @@ from transformer.data.tokenize import Tokenizer, detokenize
 from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
 from transformer.decoding import search
 from transformer.decoding.search import beam_search, beam_search_nbest, greedy, length_penalty, one_path
+from transformer.evaluation.figures import draw_alignment
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
@@ -951,6 +952,25 @@ for row in ladder["examples"]:
     print(f"  reference  {row['reference']}")
     for k in (0, last):
         print(f"  step {k}     {row['translations'][k]}  (sentence BLEU {row['bleu'][k]})")
+
+# %% [markdown]
+# Where does the model look as it writes? Below, the last step's model translates the first of
+# those lines greedily, one likeliest token at a time, and the map shows its last layer's source
+# attention, the mean of its heads: a row for each token it writes, over the source's tokens, as
+# the figures stage draws it for a validation sentence (`reports/figures/alignment_1.png`). A word
+# that BPE splits shows its pieces after the first with a middle dot (`an`, `·st`, ...). The
+# translation's start follows the source word by word. Then greedy search falls into a loop that
+# beam search, in the table above, avoids: the three `seen` rows all look at the same place, the
+# verb `an·st·ar·rt` (stares at); with its attention where it was, the model writes the same word
+# again. `python docs/tools/ladder.py table` stores these weights in `reports/ladder.json`.
+
+# %%
+attention = ladder["attention"]
+ax = draw_alignment(
+    plt.figure(layout="constrained"), torch.tensor(attention["weights"]), attention["source"], attention["outputs"]
+)
+ax.set_title(f"Source attention of the last step's model, test2016 line {attention['line']}, greedy")
+print("greedy:", " ".join(attention["outputs"]))
 
 # %% [markdown]
 # ## What the pipeline adds

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, tiny_model_file
 
+from transformer.data.vocab import SPECIALS, WordVocab
 from transformer.errors import ConfigError
-from transformer.evaluation.compare import compare
+from transformer.evaluation.compare import compare, stage_output
 from transformer.presets import delta
 
 sys.path.insert(0, str(ROOT / "docs" / "tools"))
@@ -99,7 +100,9 @@ def test_table_compares_each_step_with_the_one_before_it(tmp_path, monkeypatch):
         systems[-1].write_text("".join(line + "\n" for line in lines))
     (tmp_path / "test2016.en").write_text("".join(r + "\n" for r in refs))
     (tmp_path / "test2016.de").write_text("".join(f"satz {i}\n" for i in range(len(refs))))
-    files = ["--sources", "test2016.de", "--refs", "test2016.en"]
+    vocab = WordVocab([*SPECIALS, "satz", *map(str, range(30)), *words])
+    model = tiny_model_file(tmp_path / "model.pt", vocab, vocab)
+    files = ["--sources", "test2016.de", "--refs", "test2016.en", "--model", str(model)]
     result = CliRunner().invoke(ladder.main, ["table", *map(str, systems), *files])
     assert result.exit_code == 0, result.output
     written = json.loads((tmp_path / ladder.RESULTS).read_text())
@@ -108,6 +111,11 @@ def test_table_compares_each_step_with_the_one_before_it(tmp_path, monkeypatch):
     line = written["examples"][2]
     assert line["source"] == "satz 12" and line["reference"] == refs[12]
     assert line["translations"] == [s.read_text().splitlines()[12] for s in systems] and len(line["bleu"]) == 7
+    # The last step's source attention as it writes the first of them: a distribution over the source a row.
+    attention = written["attention"]
+    assert attention["line"] == 1 and attention["source"] == ["satz", "0", "</s>"]
+    assert attention["outputs"][-1] == "</s>" and len(attention["weights"]) == len(attention["outputs"])
+    assert all(len(row) == 3 and sum(row) == pytest.approx(1, abs=1e-3) for row in attention["weights"])
     assert written["steps"] == ladder.steps() and written["testset"] == "test2016"
     rows = written["metrics"]["bleu"]["systems"]
     pair = compare(
@@ -141,3 +149,11 @@ def test_the_annotated_page_shows_the_committed_table():
     for row in committed["examples"]:
         shown = f"  step {last}     {row['translations'][last]}  (sentence BLEU {row['bleu'][last]})"
         assert f"  source     {row['source']}\n" in page and shown in page, row["line"]
+    attention = committed["attention"]
+    assert f"greedy: {' '.join(attention['outputs'])}\n" in page
+    assert f"Source attention of the last step's model, test2016 line {attention['line']}, greedy]" in page
+
+
+def test_the_model_a_step_left_is_found_where_its_stage_writes_it():
+    assert stage_output("average_checkpoints", ROOT / "dvc.yaml") == "data/model/model.pt"
+    assert stage_output("decode", ROOT / "dvc.yaml", "val") == "data/translations/val.txt"

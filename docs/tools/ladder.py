@@ -16,6 +16,7 @@ in order), it compares those."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,18 @@ def run(numbers: tuple[int, ...]) -> None:
 @click.option("--sources", default=f"data/raw/{TESTSET}.de", show_default=True, help="the test set's sources")
 @click.option("--refs", default=f"data/raw/{TESTSET}.en", show_default=True, help="the test set's references")
 @click.option("--lang", default="en", show_default=True, help="the target language")
-def table(systems: tuple[str, ...], sources: str, refs: str, lang: str) -> None:
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="the last step's model file  [default: its experiment's averaged model, from DVC's cache]",
+)
+def table(systems: tuple[str, ...], sources: str, refs: str, lang: str, model_path: Path | None) -> None:
     """Compares each step with the one before on the test set and writes reports/ladder.json, with a few
-    of the test set's sentences as each step translates them."""
+    of the test set's sentences as each step translates them, and the last step's source attention as
+    it writes the first of them."""
     from transformer.config import CHOICES
-    from transformer.evaluation.compare import compare, load_system
+    from transformer.evaluation.compare import compare, load_system, stage_output
     from transformer.evaluation.report import example_rows
     from transformer.io import check_aligned, read_lines, write_json
 
@@ -109,8 +117,46 @@ def table(systems: tuple[str, ...], sources: str, refs: str, lang: str) -> None:
     check_aligned([Path(sources), Path(refs)], [len(source_lines), len(references)], f"{TESTSET} test set")
     compared = compare(loaded, references, lang, CHOICES["score.metrics"], stepwise=True)
     examples = example_rows(source_lines, references, [lines for _, lines in loaded])
-    write_json(RESULTS, {"testset": TESTSET, "steps": found, "metrics": compared, "examples": examples})
+    with tempfile.TemporaryDirectory() as tmp:
+        model = stage_output("average_checkpoints", ROOT / "dvc.yaml")
+        model_path = model_path or fetched(model, found[-1]["name"], Path(tmp))
+        attention = source_attention(model_path, examples[0]["source"]) | {"line": examples[0]["line"]}
+    written = {"testset": TESTSET, "steps": found, "metrics": compared, "examples": examples, "attention": attention}
+    write_json(RESULTS, written)
     click.echo(f"wrote {RESULTS}", err=True)
+
+
+def fetched(path: str, experiment: str, into: Path) -> Path:
+    """`path` as the DVC experiment `experiment` left it, copied from DVC's cache into the folder `into`."""
+    import shutil
+
+    import dvc.api
+
+    copy = into / Path(path).name
+    with dvc.api.open(path, rev=experiment, mode="rb") as stored, copy.open("wb") as out:
+        shutil.copyfileobj(stored, out)
+    return copy
+
+
+def source_attention(model_path: Path, line: str) -> dict[str, Any]:
+    """The model's last-layer source attention, the mean of its heads, as it writes its greedy
+    translation of the raw source `line` (the figures stage's alignment map): the source's and the
+    translation's tokens as the figures label them, and the weights, a row per written token."""
+    from transformer.data.tokenize import Tokenizer
+    from transformer.data.vocab import model_vocabs
+    from transformer.evaluation.figures import attention_maps
+    from transformer.model.model import load_model
+
+    model, ckpt = load_model(model_path)
+    params = ckpt["params"]
+    tokenized = Tokenizer(params["data"]["src_lang"])(line)
+    (maps,) = attention_maps(model, *model_vocabs(ckpt), [tokenized], params["decode"]["max_len_extra"])
+    weights = maps.source.float().mean(0)
+    return {
+        "source": maps.src,
+        "outputs": maps.outputs,
+        "weights": [[round(w, 4) for w in row] for row in weights.tolist()],
+    }
 
 
 if __name__ == "__main__":

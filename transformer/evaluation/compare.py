@@ -18,13 +18,15 @@ DECODE = "decode"  # the dvc.yaml stage, one decode@<testset> a test set, that w
 TESTS = {"ar": "approximate randomization", "bs": "paired bootstrap"}  # sacreBLEU's paired tests
 
 
-def decode_output(testset: str, dvc_yaml: Path) -> str:
-    """Where the decode stage writes a test set's translations: its command's --out in dvc.yaml, the one
-    place the path is written."""
+def stage_output(stage: str, dvc_yaml: Path, testset: str | None = None) -> str:
+    """Where a dvc.yaml stage writes its output: its command's --out, the one place the path is written
+    (the decode stage's for `testset`, as its foreach fills it in)."""
     import yaml
 
-    words = shlex.split(yaml.safe_load(dvc_yaml.read_text(encoding="utf-8"))["stages"][DECODE]["do"]["cmd"])
-    return words[words.index("--out") + 1].replace("${item}", testset)
+    entry = yaml.safe_load(dvc_yaml.read_text(encoding="utf-8"))["stages"][stage]
+    words = shlex.split(entry["do"]["cmd"] if "do" in entry else entry["cmd"])
+    out = words[words.index("--out") + 1]
+    return out if testset is None else out.replace("${item}", testset)
 
 
 def load_system(spec: str, testset: str) -> list[str]:
@@ -38,7 +40,7 @@ def load_system(spec: str, testset: str) -> list[str]:
     from dvc.exceptions import DvcException, NotDvcRepoError
     from dvc.scm import RevError
 
-    path = decode_output(testset, Path("dvc.yaml"))
+    path = stage_output(DECODE, Path("dvc.yaml"), testset)
     try:
         data = dvc.api.read(path, rev=spec, mode="rb")
     except (RevError, NotDvcRepoError):

@@ -171,16 +171,23 @@ def alignment(m: AttentionMaps, path: Path) -> None:
     to read at a page's width: for each word the model writes, where in the source it looked."""
     from matplotlib.figure import Figure
 
-    weights = m.source.float().mean(0)
-    fig = Figure(figsize=(1.5 + 0.42 * len(m.src), 1.2 + 0.42 * len(m.outputs)), layout="constrained")
-    ax = fig.subplots()
-    image = ax.imshow(weights.numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
-    ax.set_xticks(range(len(m.src)), m.src, rotation=60, ha="right", rotation_mode="anchor", fontsize=12)
-    ax.set_yticks(range(len(m.outputs)), m.outputs, fontsize=12)
-    ax.set(xlabel="source", ylabel="translation (each row: the word being written)")
-    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight, mean of the heads")
+    fig = Figure(layout="constrained")
+    draw_alignment(fig, m.source.float().mean(0), m.src, m.outputs)
     fig.suptitle("Where the translation looks in the source: the last layer's source attention")
     fig.savefig(path, **PNG)
+
+
+def draw_alignment(fig, weights: torch.Tensor, sources: list[str], outputs: list[str]):
+    """Draws source attention `weights` (T, S), a row per written token of `outputs` over the tokens
+    of `sources`, onto the matplotlib figure `fig`, sized to keep every label readable; its axes."""
+    fig.set_size_inches(1.5 + 0.42 * len(sources), 1.2 + 0.42 * len(outputs))
+    ax = fig.subplots()
+    image = ax.imshow(weights.numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
+    ax.set_xticks(range(len(sources)), sources, rotation=60, ha="right", rotation_mode="anchor", fontsize=12)
+    ax.set_yticks(range(len(outputs)), outputs, fontsize=12)
+    ax.set(xlabel="source", ylabel="translation (each row: the word being written)")
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight, mean of the heads")
+    return ax
 
 
 def heatmaps(

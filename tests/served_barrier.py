@@ -1,5 +1,6 @@
-"""A pyfunc model for the serving tests: a request is answered only once PARTIES requests are inside
-predict at once, so a server that lets fewer in at a time answers none of them in time."""
+"""A pyfunc model for the serving tests, saved from this file's code (MLflow's models from code, so no
+class is pickled): a request is answered only once PARTIES requests are inside predict at once, so a
+server that lets fewer in at a time answers none of them in time."""
 
 from __future__ import annotations
 
@@ -22,3 +23,6 @@ class BarrierModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         self.together.wait(timeout=30)
         return list(model_input)
+
+
+mlflow.models.set_model(BarrierModel())

@@ -367,12 +367,11 @@ def test_in_the_server_every_admitted_request_reaches_predict_at_once(tmp_path):
     would hold all but a few concurrent requests back from the batcher. The model here answers only
     when ADMITTED requests are inside predict together."""
     import mlflow
-    from served_barrier import PARTIES, BarrierModel
+    from served_barrier import PARTIES
 
     from transformer.serving.serving import ADMITTED
 
-    code = Path(__file__).with_name("served_barrier.py")
-    mlflow.pyfunc.save_model(tmp_path / "barrier", python_model=BarrierModel(), code_paths=[str(code)])
+    mlflow.pyfunc.save_model(tmp_path / "barrier", python_model=str(Path(__file__).with_name("served_barrier.py")))
     port, log_path = free_port(), tmp_path / "serve.log"
     with log_path.open("w") as log, pytest.MonkeyPatch.context() as env:
         env.setenv(PARTIES, str(ADMITTED))

@@ -441,12 +441,19 @@ def resume_params(work: Path) -> Path:
     return path
 
 
+def references(work: Path, data: Any) -> Path:
+    """Where the validation split's references lie under `work`, as the train stage is pointed at them:
+    raw/<valid split>.<target language> of the params' `data`."""
+    return work / "raw" / f"{data.valid}.{data.tgt_lang}"
+
+
 def train_stage(params: Path, vocab: Path, out: Path) -> subprocess.Popen:
+    data = params_from_dict(yaml.safe_load(params.read_text(encoding="utf-8"))).data
     reports = out / "reports"
     cmd = [sys.executable, "stages/train.py", "--params", str(params), "--vocab", str(vocab), "--no-track"]
     cmd += ["--checkpoints", str(out / "ckpt"), "--steps", str(reports / "steps.tsv")]
     cmd += ["--epochs", str(reports / "epochs.tsv"), "--summary", str(reports / "train.json")]
-    cmd += ["--references", str(vocab.parent / "raw" / "val.en")]
+    cmd += ["--references", str(references(vocab.parent, data))]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -518,14 +525,15 @@ def loop_params(plan: Plan) -> Any:
 
 def loop_inputs(work: Path, params: Any, plan: Plan, vocab: BpeVocab) -> ParallelCorpus:
     """What the train stage reads, in `work` as toy_vocab lays it out: the vocabulary (vocab/), a
-    WMT-shaped corpus in its ids (vocab/train.pt, val.pt), the validation split's references
-    (raw/val.en, its targets decoded) and params.yaml. Returns the training corpus."""
+    WMT-shaped corpus in its ids (vocab/train.pt, and the validation split's beside it), the validation
+    split's references (`references`, its targets decoded) and params.yaml. Returns the training corpus."""
     save_vocabs(work / "vocab", vocab, vocab)
-    corpus = wmt_shaped(work / "vocab" / "train.pt", plan.pairs, len(vocab), params.tokenize.max_len)
-    valid = wmt_shaped(work / "vocab" / "val.pt", VALID_PAIRS, len(vocab), params.tokenize.max_len, seed=2)
+    max_len = params.tokenize.max_len
+    corpus = wmt_shaped(work / "vocab" / "train.pt", plan.pairs, len(vocab), max_len)
+    valid = wmt_shaped(work / "vocab" / f"{params.data.valid}.pt", VALID_PAIRS, len(vocab), max_len, seed=2)
     targets = [valid.tgt[valid.tgt_off[i] : valid.tgt_off[i + 1]].tolist() for i in range(len(valid))]
     (work / "raw").mkdir(parents=True)
-    write_lines(work / "raw" / "val.en", [vocab.decode(ids) for ids in targets])
+    write_lines(references(work, params.data), [vocab.decode(ids) for ids in targets])
     (work / "params.yaml").write_text(yaml.safe_dump(params.to_dict()), encoding="utf-8")
     return corpus
 

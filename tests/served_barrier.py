@@ -15,9 +15,9 @@ PARTIES = "BARRIER_PARTIES"  # the server's environment says how many
 
 class BarrierModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from transformer.serving.serving import admit_concurrent_requests
+        from transformer.serving.serving import prepare_scoring_server
 
-        admit_concurrent_requests()  # as the translation model does
+        prepare_scoring_server()  # as the translation model does
         self.together = threading.Barrier(int(os.environ.get(PARTIES, "1")))
 
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:

@@ -46,8 +46,7 @@ class TranslationModel(mlflow.pyfunc.PythonModel):
         from transformer.data.vocab import load_vocabs
         from transformer.decoding.translate import Translator
 
-        _clip_server_errors()
-        admit_concurrent_requests()
+        prepare_scoring_server()
         self.translator = Translator.load(context.artifacts["model"], device="cpu")
         vocab = Path(context.artifacts["vocab"])
         self.translator.check_vocab(*load_vocabs(vocab.parent), vocab)  # load_vocabs reads <dir>/vocab.pt
@@ -111,17 +110,25 @@ def clipped(message: str) -> str:
     return f"{message[:half]} [... {len(message) - 2 * half} characters cut ...] {message[-half:]}"
 
 
-def _clip_server_errors() -> None:
-    """In the process of MLflow's scoring server: its answers to bad requests carry clipped messages.
+def prepare_scoring_server() -> None:
+    """In the process of MLflow's scoring server, once: its answers to bad requests carry clipped
+    messages (_clipping), and up to ADMITTED requests reach predict at once (_Admitting). The server
+    imports its module before it loads the model, which is how this finds it; anywhere else (a
+    notebook, a test) nothing changes."""
+    server = sys.modules.get("mlflow.pyfunc.scoring_server")
+    if server is None or isinstance(server.asyncio, _Admitting):
+        return
+    server.invocations = _clipping(server.invocations)
+    server.asyncio = _Admitting()
+
+
+def _clipping(invocations):
+    """The server's `invocations`, which it calls for each request, with the message of any
+    MlflowException clipped on its way out.
 
     The server puts the request, whole, in the message of every error predict raises, and a body
     that is not JSON after its own: a 1 MB request came back as a 1 MB error, a client's secrets
-    with it. The server calls its module's `invocations` for each request; that function is
-    wrapped, once, to clip the message of any MlflowException on its way out."""
-    server = sys.modules.get("mlflow.pyfunc.scoring_server")  # imported by the server before the model loads
-    if server is None or getattr(server.invocations, "clips_errors", False):
-        return
-    invocations = server.invocations
+    with it."""
 
     @functools.wraps(invocations)
     def clipping(*args, **kwargs):
@@ -131,27 +138,18 @@ def _clip_server_errors() -> None:
             e.message = clipped(e.message)
             raise
 
-    clipping.clips_errors = True
-    server.invocations = clipping
+    return clipping
 
 
-def admit_concurrent_requests() -> None:
-    """In the process of MLflow's scoring server: up to ADMITTED requests reach predict at once.
+class _Admitting(types.ModuleType):
+    """asyncio, but `to_thread` runs on a pool of ADMITTED threads.
 
     The server runs each request's predict through its module's `asyncio.to_thread`, on the event
     loop's default pool of min(32, cores + 4) threads: on 2 cores a seventh concurrent request waited
     for a thread before the batcher could see it, so no search held more than six requests. The
     server loads the model before its event loop exists (uvicorn imports the app first), so no loop's
-    pool can be set here; the server module's view of asyncio is given a `to_thread` on a pool of its
-    own instead, once. A thread in predict spends its time waiting for its search, so a wide pool
-    costs little. Anywhere else (a notebook, a test) nothing changes."""
-    server = sys.modules.get("mlflow.pyfunc.scoring_server")  # imported by the server before the model loads
-    if server is not None and not isinstance(server.asyncio, _Admitting):
-        server.asyncio = _Admitting()
-
-
-class _Admitting(types.ModuleType):
-    """asyncio, but `to_thread` runs on a pool of ADMITTED threads."""
+    pool can be set; the server module's view of asyncio is this instead. A thread in predict spends
+    its time waiting for its search, so a wide pool costs little."""
 
     def __init__(self) -> None:
         super().__init__("asyncio")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import ROOT, tiny_model_file
+from conftest import DVC, ROOT, run, tiny_model_file
 
 from transformer.data.vocab import SPECIALS, WordVocab
 from transformer.errors import ConfigError
@@ -157,3 +157,20 @@ def test_the_annotated_page_shows_the_committed_table():
 def test_the_model_a_step_left_is_found_where_its_stage_writes_it():
     assert stage_output("average_checkpoints", ROOT / "dvc.yaml") == "data/model/model.pt"
     assert stage_output("decode", ROOT / "dvc.yaml", "val") == "data/translations/val.txt"
+
+
+def test_a_file_is_fetched_as_the_experiment_left_it_not_as_the_workspace_holds_it(tmp_path):
+    """The default of `table --model`: the last step's model from its experiment, through DVC's cache."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text("n: 1\n")
+    make = "python -c \"import yaml; open('out.bin', 'wb').write(b'x' * yaml.safe_load(open('params.yaml'))['n'])\""
+    stage = {"cmd": make, "params": ["n"], "outs": ["out.bin"]}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"make": stage}}))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], ["git", "add", "-A"], [*git, "commit", "-qm", "start"]):
+        run(cmd, repo)
+    run([DVC, "exp", "run", "-n", "three", "-S", "n=3"], repo)
+    (repo / "out.bin").write_bytes(b"changed since")
+    fetched = ladder.fetched("out.bin", "three", tmp_path, root=repo)
+    assert fetched.read_bytes() == b"xxx" and fetched.parent == tmp_path

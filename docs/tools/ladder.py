@@ -126,14 +126,15 @@ def table(systems: tuple[str, ...], sources: str, refs: str, lang: str, model_pa
     click.echo(f"wrote {RESULTS}", err=True)
 
 
-def fetched(path: str, experiment: str, into: Path) -> Path:
-    """`path` as the DVC experiment `experiment` left it, copied from DVC's cache into the folder `into`."""
+def fetched(path: str, experiment: str, into: Path, root: Path = ROOT) -> Path:
+    """`path` as the DVC experiment `experiment` of the project at `root` left it, copied from DVC's cache
+    into the folder `into`."""
     import shutil
 
     import dvc.api
 
     copy = into / Path(path).name
-    with dvc.api.open(path, rev=experiment, mode="rb") as stored, copy.open("wb") as out:
+    with dvc.api.open(path, repo=str(root), rev=experiment, mode="rb") as stored, copy.open("wb") as out:
         shutil.copyfileobj(stored, out)
     return copy
 

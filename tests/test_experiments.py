@@ -307,24 +307,25 @@ def test_a_queued_seed_sweep_compares_as_a_group_whose_mean_and_spread_are_its_e
     from transformer.cli import main
 
     # Up to the score stage: the figures, the report and the export feed nothing compare reads.
-    run([DVC, "exp", "run", "--queue", "-n", "seed", "-S", "train.seed=1,2,3", "score"], repo)
+    # Seed 1 is the baseline's own training, which the queue restores from DVC's run cache: one new training.
+    run([DVC, "exp", "run", "--queue", "-n", "seed", "-S", "train.seed=1,2", "score"], repo)
     try:
         run([DVC, "exp", "run", "--run-all"], repo, timeout=560)  # runs the queue and waits for every result
     finally:
         run([DVC, "queue", "stop"], repo, check=False)
     # -n names a sweep's experiments name-1, name-2, ... in the order of the values, as the docs say.
-    swept = {e["params"]["train"]["seed"]: e for e in _experiments(repo) if e["name"] in ("seed-1", "seed-2", "seed-3")}
-    assert {seed: e["name"] for seed, e in swept.items()} == {1: "seed-1", 2: "seed-2", 3: "seed-3"}
-    group = "seed-1,seed-2,seed-3"
+    swept = {e["params"]["train"]["seed"]: e for e in _experiments(repo) if e["name"] in ("seed-1", "seed-2")}
+    assert {seed: e["name"] for seed, e in swept.items()} == {1: "seed-1", 2: "seed-2"}
+    group = "seed-1,seed-2"
     monkeypatch.chdir(repo)
     args = ["compare", group, "HEAD", "--refs", "data/raw/test2016.en", "--lang", "en", "--metric", "chrf", "--json"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     seeds, baseline = json.loads(result.stdout)["metrics"]["chrf"]["groups"]
-    scores = [swept[seed]["scores"]["test2016"]["chrf"] for seed in (1, 2, 3)]
+    scores = [swept[seed]["scores"]["test2016"]["chrf"] for seed in (1, 2)]
     assert seeds["group"] == group and seeds["scores"] == scores
     assert seeds["mean"] == round(statistics.fmean(scores), 2) and seeds["sd"] == round(statistics.stdev(scores), 2)
-    translations = {dvc.api.read("data/translations/test2016.txt", rev=swept[seed]["name"]) for seed in (1, 2, 3)}
+    translations = {dvc.api.read("data/translations/test2016.txt", rev=swept[seed]["name"]) for seed in (1, 2)}
     assert (seeds["sd"] > 0) == (len(translations) > 1)  # a seed moves the score where it moves the translations
     # The baseline trained with seed 1: the sweep's first experiment is the same run, restored from the cache.
     assert baseline["scores"] == [scores[0]] and baseline["test"] == "student"

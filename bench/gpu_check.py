@@ -29,6 +29,8 @@ that would start after --budget-s seconds is recorded as skipped, with the reaso
   row's, the share of the update's speed that the real loop keeps;
 - loss: the loss of one micro-batch, forward and backward, the fused loss (a CPU's, in eager
   training) and cross-entropy after one generator matmul (a GPU's, eager or compiled);
+- attention: source attention over one micro-batch, forward and backward, torch's key-masked
+  attention and the variable-length flash kernel that eager training takes on a card flash runs on;
 - resume: the train stage (its Trainer, the real loop) on a toy corpus, killed with SIGKILL after
   its first checkpoint and rerun, against an uninterrupted run (the largest weight difference; 0
   is bit-identical), with the loop's own wait for batches from its train.json;
@@ -62,6 +64,7 @@ from typing import Any
 
 import click
 import torch
+import torch.nn.functional as F
 import yaml
 from torch._dynamo.utils import counters
 
@@ -73,9 +76,10 @@ from transformer.config import params_from_dict
 from transformer.data.batching import Batch, ParallelCorpus, token_batches
 from transformer.data.vocab import PAD, BpeVocab, save_vocabs
 from transformer.io import write_json, write_lines
-from transformer.kernels.accelerate import accelerate, attention_backends
+from transformer.kernels.accelerate import accelerate, attention_backends, flash_runs
 from transformer.kernels.loss import LossSpec, fused_loss
 from transformer.kernels.memory import peak_rss_mb
+from transformer.kernels.varlen import by_sentence, flash_kernel
 from transformer.model.model import make_model
 from transformer.presets import recipe
 from transformer.training.distributed import autocast_dtype, set_precision
@@ -85,6 +89,7 @@ from transformer.training.train import LOG_EVERY, StepLoss, epoch_groups, make_o
 PRESETS = {"base": "wmt14_en_de_base", "big": "wmt14_en_de_big"}
 CUDA_TESTS = (
     "tests/test_fast_paths.py",
+    "tests/test_varlen.py",
     "tests/test_scale_out.py",
     "tests/test_distributed.py",
     "tests/test_writer.py",
@@ -339,6 +344,41 @@ def loss_row(plan: Plan) -> dict[str, Any]:
         losses[name], ms, peak = timed_loss(loss_of, [hidden, generator.weight], plan, bf16)
         row |= {f"{name}_ms": ms, f"{name}_peak_gpu_memory_gib": peak}
     row["loss_relative_difference"] = abs(losses["fused"] - losses["plain"]) / abs(losses["plain"])
+    return row
+
+
+def attention_row(plan: Plan, work: Path) -> dict[str, Any]:
+    """Source attention over a micro-batch of the base preset, forward and backward, both ways training
+    might compute it on a GPU: torch's key-masked attention (its memory-efficient kernel: flash takes
+    no mask) and the variable-length flash kernel that skips the padding (kernels/varlen.py's
+    VarlenAttention, eager training's where flash runs); ms, peak GPU memory above the inputs, and the
+    largest difference of the two outputs. Where flash does not run (a CPU, an older card, no bf16),
+    the masked way alone."""
+    params = preset_params(PRESETS["base"], plan.tiny)
+    t, h, d_model = params.train, params.model.h, params.model.d_model
+    corpus = wmt_shaped(work / "attention.pt", plan.pairs, params.vocab.size, params.tokenize.max_len)
+    batch = updates_of(corpus, t.max_tokens, 1, 1, plan.device)[0][0]
+    bf16 = set_precision(t.precision, plan.device) == torch.bfloat16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    (B, S), T = batch.src.shape, batch.tgt_in.size(1)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, h, n, d_model // h, generator=g).to(plan.device, dtype) for n in (T, S, S))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    weights = torch.randn(B, h, T, d_model // h, generator=g).to(plan.device)
+    keys = (batch.src != PAD)[:, None, None, :]
+    ways = {"masked": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keys)}
+    if bf16 and flash_runs(plan.device):
+        ways["varlen"] = lambda: by_sentence(q, k, v, keys.flatten(1).sum(1), flash_kernel)
+    row: dict[str, Any] = {"sentences": B, "source_length": S, "target_length": T, "dtype": "bf16" if bf16 else "fp32"}
+    row["real_source_share"] = round(float(keys.float().mean()), 4)
+    outputs = {}
+    for name, attend in ways.items():
+        with attention_backends(plan.device):
+            _, ms, peak = timed_loss(lambda attend=attend: (attend().float() * weights).sum(), leaves, plan, bf16)
+            outputs[name] = attend().detach().float()
+        row |= {f"{name}_ms": ms, f"{name}_peak_gpu_memory_gib": peak}
+    varlen = outputs.get("varlen")
+    row["varlen_max_difference"] = None if varlen is None else float((varlen - outputs["masked"]).abs().max())
     return row
 
 
@@ -695,6 +735,7 @@ def check(plan: Plan, work: Path, out: Path, budget_s: float) -> dict[str, Any]:
             report.row("train", {"size": size, "compile": compiled}, part)
     report.section("trainer", functools.partial(trainer_part, plan, work / "trainer", report))
     report.section("loss", functools.partial(loss_row, plan))
+    report.section("attention", functools.partial(attention_row, plan, work))
     report.section("resume", functools.partial(resume_check, work / "resume"))
     report.section("tests", lambda: cuda_tests(report.deadline))
     report.data["peak_rss_mb"] = round(peak_rss_mb())
@@ -762,6 +803,11 @@ def summary(report: dict[str, Any]) -> list[str]:
     loss, resume, tests = report["loss"], report["resume"], report["tests"]
     loss_line = outcome(loss) or f"fused {loss['fused_ms']} ms, plain cross-entropy {loss['plain_ms']} ms"
     lines.append(f"the loss of a micro-batch: {loss_line}")
+    attention = report["attention"]
+    attention_line = outcome(attention) or f"masked {attention['masked_ms']} ms" + (
+        f", variable-length flash {attention['varlen_ms']} ms" if "varlen_ms" in attention else ""
+    )
+    lines.append(f"source attention of a micro-batch: {attention_line}")
     if outcome(resume):
         lines.append(f"resume after kill -9: {outcome(resume)}")
     else:

@@ -15,7 +15,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import TINY_SIZES
+from conftest import ROOT, TINY_SIZES
 
 from bench import common, gpu_attention, gpu_check, gpu_profile, scale, update_profile
 
@@ -75,7 +75,8 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
     monkeypatch.setattr(gpu_check, "CUDA_TESTS", ("tests/test_distributed.py",))  # their CPU halves: seconds
     out = run(gpu_check.main, ["--dry-run", "--out", str(tmp_path / "report.json")])
     report = json.loads((tmp_path / "report.json").read_text())
-    assert {"machine", "tests", "peak_tflops", "train", "loss", "resume", "runtime_s", "flops_formula"} <= set(report)
+    parts = {"machine", "tests", "peak_tflops", "train", "loss", "attention", "resume", "runtime_s", "flops_formula"}
+    assert parts <= set(report)
     assert report["tests"]["exit_code"] == 0 and report["tests"]["counts"]["passed"] >= 2
     assert report["datasheet_peak"] == {"card": "cpu", "tflops": None, "dtype": None}
     rows = report["train"]
@@ -120,6 +121,10 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
     assert "the train stage, base: " in out and " of the eager row's tokens/s" in out
     loss = report["loss"]
     assert loss["fused_ms"] > 0 and loss["plain_ms"] > 0 and loss["loss_relative_difference"] < 1e-2
+    attention = report["attention"]  # a CPU: torch's masked attention alone, flash's kernel needs a card
+    assert attention["masked_ms"] > 0 and "varlen_ms" not in attention and attention["varlen_max_difference"] is None
+    assert 0 < attention["real_source_share"] < 1 and attention["sentences"] > 1
+    assert f"source attention of a micro-batch: masked {attention['masked_ms']} ms\n" in out
     resume = report["resume"]
     assert resume["killed_at_step"] and resume["killed_at_step"] < resume["steps"] and resume["bit_identical"]
     assert "resume after kill -9: largest weight difference 0" in out
@@ -128,8 +133,9 @@ def test_gpu_check_dry_run_reports_every_figure_of_both_sizes_compiled_or_not_an
 def test_gpu_check_with_its_budget_spent_records_every_part_as_skipped_with_the_reason(tmp_path):
     out = run(gpu_check.main, ["--dry-run", "--budget-s", "0", "--out", str(tmp_path / "report.json")])
     report = json.loads((tmp_path / "report.json").read_text())
-    parts = [report[key] for key in ("peak_tflops", "trainer", "loss", "resume", "tests")] + report["train"]
-    assert len(parts) == 9 and all("the budget of 0 s was spent" in part["skipped"] for part in parts)
+    parts = [report[key] for key in ("peak_tflops", "trainer", "loss", "attention", "resume", "tests")]
+    parts += report["train"]
+    assert len(parts) == 10 and all("the budget of 0 s was spent" in part["skipped"] for part in parts)
     assert [(r["size"], r["compile"]) for r in report["train"]][-1] == ("big", True)
     assert "big   compiled skipped: the budget of 0 s was spent" in out
     assert "the train stage, base: skipped: the budget of 0 s was spent" in out
@@ -249,3 +255,8 @@ def test_gpu_check_without_a_gpu_or_dry_run_stops_with_one_line(tmp_path):
     assert result.exit_code == 1 and result.output.startswith("Error: no CUDA device")
     assert result.output.count("\n") == 1
     assert not (tmp_path / "report.json").exists()
+
+
+def test_the_scale_pages_cuda_test_command_runs_the_files_gpu_check_runs():
+    page = (ROOT / "docs" / "scale.md").read_text()
+    assert f'python -m pytest -k "cuda or gpu" {" ".join(gpu_check.CUDA_TESTS)}\n' in page

@@ -14,6 +14,8 @@ definition:
                   for every shape (on a CPU in a half dtype)
     dropout.py    MaskDropout: dropout masks drawn 16 bits a value
     loss.py       FusedLoss: the generator and the loss fused, a block of rows at a time
+    varlen.py     VarlenAttention: attention over padded keys on a CUDA card's variable-length
+                  flash kernel, which skips the padding the plain attention masks
     memory.py     the process's allocator and oneDNN's kernel cache, which the train stage sets up first
 
 torch.compile is the other way to apply speed: it traces the plain modules and fuses their work
@@ -33,11 +35,13 @@ from transformer.kernels.dropout import MaskDropout
 from transformer.kernels.linear import PaddedLinear
 from transformer.kernels.loss import FusedLoss
 from transformer.kernels.packing import PackedTransformer
+from transformer.kernels.varlen import FLASH_CAPABILITY, VarlenAttention
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.model import Transformer
 from transformer.training.loss import Loss
 
-# Each device's twins, by the exact class they replace. None yet on CUDA, whose paths are torch's own.
+# Each device's twins, by the exact class they replace. On CUDA the rest is torch's own: its fused
+# attention, and the plain loss (one generator matmul and cross-entropy, as compile traces it too).
 TWINS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {
     "cpu": {
         Transformer: PackedTransformer,
@@ -46,6 +50,7 @@ TWINS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {
         nn.Dropout: MaskDropout,
         Loss: FusedLoss,
     },
+    "cuda": {MultiHeadAttention: VarlenAttention},
 }
 
 
@@ -54,13 +59,21 @@ def accelerate(module: nn.Module, device: torch.device) -> nn.Module:
 
     A twin differs from its module in methods alone, so taking its class keeps every parameter,
     buffer and state-dict key where it was: call it before an optimizer, DDP or a checkpoint
-    load sees the model, or after; either way they see the same tensors."""
+    load sees the model, or after; either way they see the same tensors. A CUDA card older than
+    flash's (compute capability 8.0) keeps torch's attention."""
     twins = TWINS.get(device.type, {})
+    if device.type == "cuda" and not flash_runs(device):
+        twins = {plain: twin for plain, twin in twins.items() if twin is not VarlenAttention}
     for part in module.modules():
         twin = twins.get(type(part))
         if twin is not None:
             part.__class__ = twin
     return module
+
+
+def flash_runs(device: torch.device) -> bool:
+    """Whether torch's flash kernels run on the CUDA card `device` (none without a card)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= FLASH_CAPABILITY
 
 
 def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:

@@ -144,20 +144,21 @@ def test_a_machine_without_a_flash_card_keeps_torchs_attention():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_flash_varlen_training_matches_the_masked_attention():
-    """On a card: the real kernel, in bf16, against torch's masked attention, forward and gradients."""
+    """On a card: the real kernel in bf16 is as close to the float32 model, outputs and every gradient,
+    as torch's masked attention in bf16 is (bf16's rounding, not a layout, is all that may differ)."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("flash needs compute capability 8.0")
     torch.manual_seed(0)
-    plain = tiny_model(src_vocab=20, tgt_vocab=20, N=2, tie_embeddings=True).cuda().train()
-    twin = accelerate(copy.deepcopy(plain), torch.device("cuda"))
+    exact = tiny_model(src_vocab=20, tgt_vocab=20, N=2, tie_embeddings=True).cuda().train()
+    plain, twin = copy.deepcopy(exact), accelerate(copy.deepcopy(exact), torch.device("cuda"))
     assert any(type(m) is VarlenAttention for m in twin.modules())
     src, tgt = (t.cuda() for t in _batch())
-    outs = []
-    for model in (plain, twin):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(src, tgt, copies=2)
-        out.float().square().mean().backward()
-        outs.append(out.float())
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
-    for (name, mine), theirs in zip(twin.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(mine.grad, theirs.grad, atol=2e-2, rtol=5e-2, msg=name)
+    results = []
+    for model, half in ((exact, False), (plain, True), (twin, True)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+            out = model(src, tgt, copies=2).float()
+        out.square().mean().backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters()])
+    for k, (reference, masked, ours) in enumerate(zip(*results)):
+        error, allowed = (ours - reference).abs().max(), 2 * (masked - reference).abs().max() + 1e-3
+        assert error <= allowed, f"{'output' if k == 0 else f'gradient {k}'}: {error} > {allowed}"

@@ -67,7 +67,7 @@ def test_sentence_segments_give_the_key_masked_attention_and_its_gradients(T, S)
     results = []
     for attend in (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keys), None):
         q, k, v = _leaves(4, 2, T, S)
-        out = attend(q, k, v) if attend else by_sentence(q, k, v, real, segments)
+        out = attend(q, k, v) if attend else by_sentence(q, k, v, keys, segments)
         (out * weights).sum().backward()
         results.append([out.detach(), q.grad, k.grad, v.grad])
     for name, ours, plain in zip(("output", "dq", "dk", "dv"), results[1], results[0]):
@@ -77,9 +77,9 @@ def test_sentence_segments_give_the_key_masked_attention_and_its_gradients(T, S)
 def test_the_segments_are_laid_out_on_the_device_without_a_host_read():
     """Nothing the host would wait for on a card: the offsets come from the mask's sums as tensors."""
     q, k, v = _leaves(4, 2, 5, 7)
-    real = torch.tensor([7, 1, 4, 7])
+    keys = (torch.arange(7) < torch.tensor([7, 1, 4, 7])[:, None])[:, None, None, :]
     with HostReads() as calls, DataDependentOps() as ops:
-        out = by_sentence(q, k, v, real, lambda q, k, v, **offsets: torch.zeros_like(q))
+        out = by_sentence(q, k, v, keys, lambda q, k, v, **offsets: torch.zeros_like(q))
     assert calls.seen + ops.seen == [] and out.shape == q.shape
 
 
@@ -146,12 +146,11 @@ def test_a_machine_without_a_flash_card_keeps_torchs_attention():
 def test_cuda_flash_varlen_training_matches_the_masked_attention():
     """On a card: the real kernel in bf16 is as close to the float32 model, outputs and every gradient,
     as torch's masked attention in bf16 is (bf16's rounding, not a layout, is all that may differ)."""
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("flash needs compute capability 8.0")
     torch.manual_seed(0)
     exact = tiny_model(src_vocab=20, tgt_vocab=20, N=2, tie_embeddings=True).cuda().train()
     plain, twin = copy.deepcopy(exact), accelerate(copy.deepcopy(exact), torch.device("cuda"))
-    assert any(type(m) is VarlenAttention for m in twin.modules())
+    flash = torch.cuda.get_device_capability() >= (8, 0)  # an older card keeps torch's attention, as plain
+    assert any(type(m) is VarlenAttention for m in twin.modules()) == flash
     src, tgt = (t.cuda() for t in _batch())
     results = []
     for model, half in ((exact, False), (plain, True), (twin, True)):

@@ -118,8 +118,8 @@ def table(systems: tuple[str, ...], sources: str, refs: str, lang: str, model_pa
     compared = compare(loaded, references, lang, CHOICES["score.metrics"], stepwise=True)
     examples = example_rows(source_lines, references, [lines for _, lines in loaded])
     with tempfile.TemporaryDirectory() as tmp:
-        model = stage_output("average_checkpoints", ROOT / "dvc.yaml")
-        model_path = model_path or fetched(model, found[-1]["name"], Path(tmp))
+        if model_path is None:  # the averaged model, where its stage writes it, as the last step left it
+            model_path = fetched(stage_output("average_checkpoints", ROOT / "dvc.yaml"), found[-1]["name"], Path(tmp))
         attention = source_attention(model_path, examples[0]["source"]) | {"line": examples[0]["line"]}
     written = {"testset": TESTSET, "steps": found, "metrics": compared, "examples": examples, "attention": attention}
     write_json(RESULTS, written)
@@ -152,12 +152,8 @@ def source_attention(model_path: Path, line: str) -> dict[str, Any]:
     params = ckpt["params"]
     tokenized = Tokenizer(params["data"]["src_lang"])(line)
     (maps,) = attention_maps(model, *model_vocabs(ckpt), [tokenized], params["decode"]["max_len_extra"])
-    weights = maps.source.float().mean(0)
-    return {
-        "source": maps.src,
-        "outputs": maps.outputs,
-        "weights": [[round(w, 4) for w in row] for row in weights.tolist()],
-    }
+    weights = [[round(w, 4) for w in row] for row in maps.alignment().tolist()]
+    return {"source": maps.src, "outputs": maps.outputs, "weights": weights}
 
 
 if __name__ == "__main__":

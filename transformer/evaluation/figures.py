@@ -35,6 +35,10 @@ class AttentionMaps:
     decoder: torch.Tensor  # (h, T, T) decoder self-attention
     source: torch.Tensor  # (h, T, S) decoder-source attention
 
+    def alignment(self) -> torch.Tensor:
+        """Where each written token looked in the source: source attention, the mean of the heads, (T, S)."""
+        return self.source.float().mean(0)
+
 
 def labels(vocab: Vocab, ids: list[int]) -> list[str]:
     """Axis labels as a reader takes the tokens: a word, or a word's first BPE piece, bare; a piece
@@ -172,7 +176,7 @@ def alignment(m: AttentionMaps, path: Path) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(layout="constrained")
-    draw_alignment(fig, m.source.float().mean(0), m.src, m.outputs)
+    draw_alignment(fig, m.alignment(), m.src, m.outputs)
     fig.suptitle("Where the translation looks in the source: the last layer's source attention")
     fig.savefig(path, **PNG)
 

@@ -44,18 +44,20 @@ class VarlenAttention(MultiHeadAttention):
         plain = mask.causal or mask.keys is None or self.keep_weights or not self.training or self.dropout > 0
         if plain or q.dtype not in self.dtypes:
             return super().attend(q, k, v, mask)
-        return by_sentence(q, k, v, mask.keys.flatten(1).sum(1), self.kernel)
+        return by_sentence(q, k, v, mask.keys, self.kernel)
 
 
-def by_sentence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real_keys: torch.Tensor, kernel) -> torch.Tensor:
-    """Equation 1 of q (B, h, T, d_k) over the first real_keys[i] keys of k, v (B, h, S, d_k) in each
-    sentence i, computed by a variable-length `kernel` (flash_kernel's arguments), (B, h, T, d_k)."""
+def by_sentence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, kernel) -> torch.Tensor:
+    """Equation 1 of q (B, h, T, d_k) over the keys of k, v (B, h, S, d_k) that the key mask `keys`
+    (B, 1, 1, S) lets each sentence see, its first ones (padding follows the tokens), computed by a
+    variable-length `kernel` (flash_kernel's arguments), (B, h, T, d_k)."""
     B, h, T, d_k = q.shape
     S = k.size(2)
+    real_keys = keys.flatten(1).sum(1, dtype=torch.int32)
     rows = torch.arange(1, B + 1, device=q.device, dtype=torch.int32)
     first = torch.zeros(1, device=q.device, dtype=torch.int32)
     # Sentence i: queries i·T to (i + 1)·T, then none; its real keys, then its padding keys.
     cu_q = torch.cat([first, (rows * T).repeat_interleave(2)])
-    cu_k = torch.cat([first, torch.stack([(rows - 1) * S + real_keys.to(torch.int32), rows * S], 1).flatten()])
+    cu_k = torch.cat([first, torch.stack([(rows - 1) * S + real_keys, rows * S], 1).flatten()])
     flat = [t.transpose(1, 2).reshape(-1, h, d_k) for t in (q, k, v)]  # (B·T or B·S, h, d_k): views
     return kernel(*flat, cu_q=cu_q, cu_k=cu_k, max_q=T, max_k=S).view(B, T, h, d_k).transpose(1, 2)

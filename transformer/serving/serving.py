@@ -37,11 +37,6 @@ EXAMPLE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 class TranslationModel(mlflow.pyfunc.PythonModel):
     """A list of sentences in, a list of translations out."""
 
-    def __getstate__(self) -> dict:
-        """Nothing to pickle: load_context builds everything from the artifacts, and MLflow, which
-        runs the input example before it pickles the model, would otherwise meet a running thread."""
-        return {}
-
     def load_context(self, context) -> None:
         from transformer.data.vocab import load_vocabs
         from transformer.decoding.translate import Translator
@@ -194,16 +189,18 @@ def _sentences(model_input: list[str]) -> list[str]:
 
 
 def _options(model_path: Path, vocab_path: Path) -> dict[str, Any]:
-    """What save_model and log_model share: artifacts, example, code and requirements (the signature,
-    a list of strings in and out, comes from predict's type hints)."""
+    """What save_model and log_model share: the model's code file, artifacts, example, code and
+    requirements (the signature, a list of strings in and out, comes from predict's type hints)."""
     from importlib.metadata import version
+
+    from transformer.serving import served  # the file MLflow runs, imported so that it is a dependency
 
     package = Path(__file__).resolve().parents[1]  # all of `transformer`, which the model's code imports
     requirements = [
         f"{name}=={version(name)}" for name in ("torch", "mlflow", "sentencepiece", "spacy", "tqdm", "pandas")
     ]
     return {
-        "python_model": TranslationModel(),
+        "python_model": served.__file__,
         "artifacts": {"model": str(model_path), "vocab": str(vocab_path)},
         "input_example": EXAMPLE,
         "code_paths": [str(package)],

@@ -4,6 +4,7 @@ their timings are not checked, only that each row is measured and printed."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from conftest import ROOT, TINY_SIZES
 
-from bench import common, gpu_attention, gpu_check, gpu_profile, scale, update_profile
+from bench import ab, common, gpu_attention, gpu_check, gpu_profile, scale, update_profile
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +67,63 @@ def test_scale_reuses_the_corpus_it_generated_for_the_same_pairs_and_only_then(t
         scale.words.cache_clear()
     assert [run["reused"] for run in runs] == [False, True, False]
     assert len((tmp_path / "corpus" / "train.en").read_text(encoding="utf-8").splitlines()) == 30
+
+
+SLOWER = """
+_ours_step = ours_step
+
+
+def ours_step(*args, **kwargs):  # the other checkout's update, 300 ms slower
+    step = _ours_step(*args, **kwargs)
+
+    def slower(batch):
+        time.sleep(0.3)
+        return step(batch)
+
+    return slower
+"""
+
+
+def checkout_copy(tmp_path: Path, appended: str) -> Path:
+    """A copy of this checkout's packages, with `appended` at the end of its bench/common.py."""
+    copy = tmp_path / "other"
+    for name in ab.CHECKOUT:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, copy / name)
+    with open(copy / "bench" / "common.py", "a", encoding="utf-8") as f:
+        f.write(appended)
+    return copy
+
+
+def test_ab_times_each_checkouts_own_code_on_the_same_batches_and_puts_this_checkouts_modules_back(tmp_path):
+    other = checkout_copy(tmp_path, SLOWER)
+    rows = ["--rows", "ours-256,seed-recipe", "--updates", "4", "--warmup", "1"]
+    run(ab.main, ["--against", str(other), *rows, "--out", str(tmp_path / "ab.json")])
+    by_row = {r["row"]: r for r in json.loads((tmp_path / "ab.json").read_text())["rows"]}
+    assert list(by_row) == ["ours-256", "seed-recipe"]
+    assert by_row["ours-256"]["ms_other"] > by_row["ours-256"]["ms_this"] + 200  # the other's sleep, on its side
+    assert by_row["ours-256"]["speed_ratio"] > 1.5
+    assert 0.5 < by_row["seed-recipe"]["median_ratio"] < 2  # the same code on both sides
+    assert sys.modules["bench.common"] is common and sys.modules["bench.ab"] is ab
+
+
+def test_ab_refuses_checkouts_that_batch_differently_and_a_revision_git_does_not_know(tmp_path):
+    other = checkout_copy(tmp_path, "SEED = 4321\n")
+    result = CliRunner().invoke(ab.main, ["--against", str(other), "--out", str(tmp_path / "ab.json")])
+    assert result.exit_code == 1 and "batch the corpus differently" in result.output
+    result = CliRunner().invoke(ab.main, ["--against", "no-such-revision"])
+    assert result.exit_code == 1 and "git archive no-such-revision" in result.output
+    assert not (tmp_path / "ab.json").exists()
+
+
+def test_ab_unpacks_a_revision_with_the_packages_it_loads(tmp_path):
+    unpacked = ab.unpack("HEAD", tmp_path)
+    assert (unpacked / "bench" / "bench.py").is_file() and (unpacked / "transformer" / "__init__.py").is_file()
+    assert (unpacked / "params.yaml").read_bytes() == subprocess.run(
+        ["git", "show", "HEAD:params.yaml"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
 
 
 @pytest.mark.slow  # about 80 CPU seconds: torch.compile tracing the two compiled rows, and four runs of the train stage
@@ -183,7 +241,7 @@ def test_gpu_check_killed_after_its_first_row_leaves_that_row_on_disk_as_valid_j
     job = subprocess.Popen(cmd, cwd=common.ROOT, env=os.environ | {"PYTHONPATH": str(common.ROOT)})
     try:
         while job.poll() is None and not (out.exists() and json.loads(out.read_text()).get("train")):
-            time.sleep(0.05)
+            time.sleep(0.3)
         assert job.poll() is None, "it ended before it could be killed"
         job.send_signal(signal.SIGKILL)
         job.wait()

@@ -13,8 +13,10 @@ time over this side's (above 1: this checkout is faster); the median of the per-
 reported beside it. Rows whose code both checkouts share (the baseline's, where bench/baseline.py
 is unchanged) show the method's noise.
 
-Compiled rows are left out: torch.compile's guards look modules up by their import name, which in
-this process names one checkout's modules at a time. Time them with bench.bench in each checkout.
+Rows it cannot compare are named with the reason. The compiled rows are among them: torch.compile
+records the modules it traced by their import name, in the globals of torch's own modules, which
+both checkouts share, so the second checkout's trace would find the first one's modules. Time them
+with bench.bench in each checkout.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def load(root: Path) -> Checkout:
 
 
 def unpack(revision: str, into: Path) -> Path:
-    """A git revision of this repository's bench and transformer packages, unpacked under `into`."""
+    """A git revision of this repository's packages and params.yaml (CHECKOUT), unpacked under `into`."""
     done = subprocess.run(["git", "archive", revision, *CHECKOUT], cwd=ROOT, capture_output=True)
     if done.returncode:
         raise click.ClickException(f"git archive {revision}: {done.stderr.decode().strip()}")
@@ -151,20 +153,27 @@ def row(name: str, sides: dict[str, Checkout], data: dict, size: str, warmup: in
     return result
 
 
-def rows_to_run(sides: dict[str, Checkout], names: tuple[str, ...] | None) -> list[str]:
-    """bench.bench's eager rows that both checkouts have and this machine runs, in its order."""
+def rows_to_run(sides: dict[str, Checkout], names: tuple[str, ...] | None) -> tuple[list[str], dict[str, str]]:
+    """bench.bench's rows (those of `names` where given) that can be compared here, in its order, and
+    why each other one is left out."""
     with entered(sides["other"]) as module:
         theirs = set(module.ROW_NAMES)
-    bf16 = use_bf16("auto", torch.device("cpu"))
-    runs = [
-        r.name
-        for r in bench.TRAIN_ROWS
-        if r.name in theirs
-        and not r.compile
-        and (bf16 or not r.bf16)
-        and (allocator() == "glibc" or not r.malloc_defaults)
-    ]
-    return [name for name in runs if not names or name in names]
+    bf16, glibc = use_bf16("auto", torch.device("cpu")), allocator() == "glibc"
+    runs, left = [], {}
+    for r in bench.TRAIN_ROWS:
+        if names and r.name not in names:
+            continue
+        if r.name not in theirs:
+            left[r.name] = "the other checkout has no such row"
+        elif r.compile:
+            left[r.name] = "compiled: one process holds one checkout's traces; run bench.bench in each"
+        elif r.bf16 and not bf16:
+            left[r.name] = "bf16: this CPU has no bf16 hardware"
+        elif r.malloc_defaults and not glibc:
+            left[r.name] = "glibc's malloc settings: this process runs on another malloc"
+        else:
+            runs.append(r.name)
+    return runs, left
 
 
 def batches(sides: dict[str, Checkout], count: int, tmp: Path) -> dict[str, tuple]:
@@ -196,13 +205,19 @@ def main(against: str, names: tuple[str, ...] | None, updates: int, warmup: int,
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(against) if Path(against).is_dir() else unpack(against, Path(tmp) / "checkout")
         sides = {"this": Checkout(ROOT, loaded()), "other": load(root)}
+        runs, left = rows_to_run(sides, names)
+        for name, why in left.items():
+            print(f"  {name:<20} left out: {why}", file=sys.stderr)
+        if not runs:
+            raise click.ClickException("no row to compare: every row asked for is left out")
         data = batches(sides, min(warmup + updates, bench.MAX_BATCHES), Path(tmp))
-        results = [row(name, sides, data, size, warmup, updates) for name in rows_to_run(sides, names)]
+        results = [row(name, sides, data, size, warmup, updates) for name in runs]
     print(f"{'row':<22} {'ms this':>8} {'ms other':>9} {'speed ratio':>12} {'median':>7}")
     for r in results:
         ms = f"{r['ms_this']:>8.1f} {r['ms_other']:>9.1f}"
         print(f"{r['row']:<22} {ms} {r['speed_ratio']:>11.3f}× {r['median_ratio']:>6.3f}×")
     report = {"machine": bench.machine(), "against": against, "size": size, "warmup": warmup, "rows": results}
+    report["left_out"] = left
     write_json(out, report)
 
 

@@ -109,12 +109,15 @@ def test_ab_times_each_checkouts_own_code_on_the_same_batches_and_puts_this_chec
     assert sys.modules["bench.common"] is common and sys.modules["bench.ab"] is ab
 
 
-def test_ab_refuses_checkouts_that_batch_differently_and_a_revision_git_does_not_know(tmp_path):
+def test_ab_refuses_checkouts_that_batch_differently_an_unknown_revision_and_rows_it_cannot_compare(tmp_path):
     other = checkout_copy(tmp_path, "SEED = 4321\n")
     result = CliRunner().invoke(ab.main, ["--against", str(other), "--out", str(tmp_path / "ab.json")])
     assert result.exit_code == 1 and "batch the corpus differently" in result.output
     result = CliRunner().invoke(ab.main, ["--against", "no-such-revision"])
     assert result.exit_code == 1 and "git archive no-such-revision" in result.output
+    result = CliRunner().invoke(ab.main, ["--against", str(other), "--rows", "compiled-fp32"])
+    assert result.exit_code == 1 and "compiled-fp32        left out: compiled:" in result.output
+    assert "no row to compare" in result.output
     assert not (tmp_path / "ab.json").exists()
 
 

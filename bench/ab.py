@@ -13,10 +13,10 @@ time over this side's (above 1: this checkout is faster); the median of the per-
 reported beside it. Rows whose code both checkouts share (the baseline's, where bench/baseline.py
 is unchanged) show the method's noise.
 
-Rows it cannot compare are named with the reason. The compiled rows are among them: torch.compile
-records the modules it traced by their import name, in the globals of torch's own modules, which
-both checkouts share, so the second checkout's trace would find the first one's modules. Time them
-with bench.bench in each checkout.
+Rows it cannot compare are named with the reason. The compiled rows are among them: torch.compile's
+traces refer to the modules they use by import name, so in one process the second checkout's trace
+meets the first one's modules and fails on names only one of them has. Time them with bench.bench
+in each checkout.
 """
 
 from __future__ import annotations

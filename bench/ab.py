@@ -37,13 +37,11 @@ from types import ModuleType
 from typing import Any
 
 import click
-import torch
 
 from bench import bench
 from bench.common import ROOT, SIZES
 from transformer.io import write_json
-from transformer.kernels.memory import allocator, keep_freed_memory, training_memory
-from transformer.training.distributed import use_bf16
+from transformer.kernels.memory import keep_freed_memory, training_memory
 
 PACKAGES = ("bench", "transformer")  # what each checkout brings; every other module is shared
 CHECKOUT = ("bench", "transformer", "params.yaml")  # what a revision is unpacked with
@@ -158,7 +156,7 @@ def rows_to_run(sides: dict[str, Checkout], names: tuple[str, ...] | None) -> tu
     why each other one is left out."""
     with entered(sides["other"]) as module:
         theirs = set(module.ROW_NAMES)
-    bf16, glibc = use_bf16("auto", torch.device("cpu")), allocator() == "glibc"
+    dtypes = bench.dtypes_here()
     runs, left = [], {}
     for r in bench.TRAIN_ROWS:
         if names and r.name not in names:
@@ -167,10 +165,8 @@ def rows_to_run(sides: dict[str, Checkout], names: tuple[str, ...] | None) -> tu
             left[r.name] = "the other checkout has no such row"
         elif r.compile:
             left[r.name] = "compiled: one process holds one checkout's traces; run bench.bench in each"
-        elif r.bf16 and not bf16:
-            left[r.name] = "bf16: this CPU has no bf16 hardware"
-        elif r.malloc_defaults and not glibc:
-            left[r.name] = "glibc's malloc settings: this process runs on another malloc"
+        elif why := bench.left_out_here(r, dtypes):
+            left[r.name] = why
         else:
             runs.append(r.name)
     return runs, left

@@ -301,6 +301,20 @@ def row_step(row: TrainRow, data: Data, size: Size) -> Step:
     )
 
 
+def dtypes_here() -> dict[str, torch.dtype]:
+    """The dtypes this CPU trains in: bf16 only with bf16 hardware (training's train.precision: auto)."""
+    return DTYPES if use_bf16("auto", torch.device("cpu")) else {"fp32": torch.float32}
+
+
+def left_out_here(row: TrainRow, dtypes: Collection[str]) -> str | None:
+    """Why this machine does not run `row` where `dtypes` are what it trains in; None where it does."""
+    if row.dtype not in dtypes:
+        return "bf16: this CPU has no bf16 hardware"
+    if row.malloc_defaults and allocator() != "glibc":
+        return "glibc's malloc settings: this process runs on another malloc"
+    return None
+
+
 def training_rows(
     size: Size, data: Data, plan: Plan, peaks: dict[str, float], names: Collection[str] | None = None
 ) -> list[dict[str, Any]]:
@@ -309,9 +323,7 @@ def training_rows(
     batches = training_batches(data.corpus, MAX_BATCHES)
     rows = []
     for row in TRAIN_ROWS:
-        if row.dtype not in peaks or (names and row.name not in names):
-            continue
-        if row.malloc_defaults and allocator() != "glibc":
+        if (names and row.name not in names) or left_out_here(row, peaks):
             continue
         keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
         step = row_step(row, data, size)
@@ -564,8 +576,7 @@ def main(
         write_json(out, {"machine": info} | report)
         return
     with Clock() as clock:
-        dtypes = DTYPES if use_bf16("auto", torch.device("cpu")) else {"fp32": torch.float32}
-        peaks = {name: matmul_peak(dtype, plan.matmul_seconds) for name, dtype in dtypes.items()}
+        peaks = {name: matmul_peak(dtype, plan.matmul_seconds) for name, dtype in dtypes_here().items()}
     info["other_cores_busy_during_peak"] = round(clock.others, 2)
     with tempfile.TemporaryDirectory() as tmp:
         data = load_data(vocab_dir, Path(tmp))

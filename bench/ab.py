@@ -129,14 +129,19 @@ def timed(sides: dict[str, Checkout], steps: dict, batches: dict, warmup: int, u
     return seconds
 
 
+def spec_of(module: ModuleType, name: str) -> Any:
+    """The row `name` of a checkout's bench.bench (its own TrainRow class)."""
+    return next(r for r in module.TRAIN_ROWS if r.name == name)
+
+
 def row(name: str, sides: dict[str, Checkout], data: dict, size: str, warmup: int, updates: int) -> dict[str, Any]:
     steps, batches = {}, {}
     for side, checkout in sides.items():
         with entered(checkout) as module:
-            spec = next(r for r in module.TRAIN_ROWS if r.name == name)
+            spec = spec_of(module, name)
             steps[side] = module.row_step(spec, data[side][0], SIZES[size])  # this checkout's sizes
             batches[side] = data[side][1][spec.batches]
-    keep_freed_memory(not (spec.baseline or spec.malloc_defaults))  # as bench.bench runs the row
+    keep_freed_memory(spec_of(bench, name).keeps_freed_memory)  # as this checkout's bench.bench runs the row
     seconds = timed(sides, steps, batches, warmup, updates)
     this, other = seconds["this"], seconds["other"]
     result = {
@@ -172,7 +177,7 @@ def rows_to_run(sides: dict[str, Checkout], names: tuple[str, ...] | None) -> tu
     return runs, left
 
 
-def batches(sides: dict[str, Checkout], count: int, tmp: Path) -> dict[str, tuple]:
+def side_data(sides: dict[str, Checkout], count: int, tmp: Path) -> dict[str, tuple]:
     """Each checkout's synthetic corpus and training batches, refused where the two differ."""
     data = {}
     for side, checkout in sides.items():
@@ -206,15 +211,14 @@ def main(against: str, names: tuple[str, ...] | None, updates: int, warmup: int,
             print(f"  {name:<20} left out: {why}", file=sys.stderr)
         if not runs:
             raise click.ClickException("no row to compare: every row asked for is left out")
-        data = batches(sides, min(warmup + updates, bench.MAX_BATCHES), Path(tmp))
+        data = side_data(sides, min(warmup + updates, bench.MAX_BATCHES), Path(tmp))
         results = [row(name, sides, data, size, warmup, updates) for name in runs]
     print(f"{'row':<22} {'ms this':>8} {'ms other':>9} {'speed ratio':>12} {'median':>7}")
     for r in results:
         ms = f"{r['ms_this']:>8.1f} {r['ms_other']:>9.1f}"
         print(f"{r['row']:<22} {ms} {r['speed_ratio']:>11.3f}× {r['median_ratio']:>6.3f}×")
-    report = {"machine": bench.machine(), "against": against, "size": size, "warmup": warmup, "rows": results}
-    report["left_out"] = left
-    write_json(out, report)
+    report = {"machine": bench.machine(), "against": against, "size": size, "warmup": warmup}
+    write_json(out, report | {"rows": results, "left_out": left})
 
 
 if __name__ == "__main__":

@@ -206,6 +206,11 @@ class TrainRow:
         """Forward passes of each batch an update runs: R-Drop's 2, 1.5 on half the sentences on average."""
         return 1 + self.share if self.rdrop else 1
 
+    @property
+    def keeps_freed_memory(self) -> bool:
+        """Whether the row keeps freed memory, as training does; the seed's rows do not."""
+        return not (self.baseline or self.malloc_defaults)
+
 
 TOKENS, TO_8 = "token batches", "token batches to 8"
 TRAIN_ROWS = (
@@ -325,7 +330,7 @@ def training_rows(
     for row in TRAIN_ROWS:
         if (names and row.name not in names) or left_out_here(row, peaks):
             continue
-        keep_freed_memory(not (row.baseline or row.malloc_defaults))  # as training does; the seed does not
+        keep_freed_memory(row.keeps_freed_memory)
         step = row_step(row, data, size)
         warmup = compile_warmup(batches[row.batches])
         warm = replace(plan, warmup=tuple(max(w, warmup) for w in plan.warmup)) if row.compile else plan

@@ -97,7 +97,7 @@ from transformer.data.batching import Batch, ParallelCorpus
 from transformer.data.vocab import BOS, PAD
 from transformer.decoding.search import beam_search
 from transformer.decoding.translate import Search, batched_search
-from transformer.evaluation.system import hardware
+from transformer.evaluation.system import host_class
 from transformer.io import write_json
 from transformer.kernels.memory import allocator, keep_freed_memory, kernel_cache, peak_rss_mb, training_memory
 from transformer.training.distributed import use_bf16
@@ -479,7 +479,7 @@ def model_rows(
 
 def machine() -> dict[str, Any]:
     return {
-        "hardware": hardware(),
+        "hardware": host_class(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),

@@ -211,7 +211,7 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
     if startup_of:  # the child process that times the train stage's start-up
         click.echo(json.dumps(startup(params_path, startup_of)))
         return
-    from transformer.evaluation.system import hardware
+    from transformer.evaluation.system import host_class
     from transformer.io import write_json
     from transformer.presets import recipe
     from transformer.stage import workers
@@ -243,7 +243,7 @@ def main(pairs: int, work: Path, out: Path, startup_of: Path | None, params_path
         click.echo(f"{name}: {rows[name]}", err=True)
     report = {
         "pairs": pairs,
-        "hardware": hardware(),
+        "hardware": host_class(),
         "cpu_flags": _cpu_flags(),
         "workers": workers(),  # the stages' TRANSFORMER_WORKERS
         "load_avg_1m_at_start": load_before,

@@ -25,6 +25,7 @@ from transformer.stage import PARAMS, stage
 def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Path, report: Path) -> None:
     from transformer.data.vocab import load_vocabs
     from transformer.decoding.translate import Search, Translator, timed_translate
+    from transformer.evaluation.system import host_class
     from transformer.kernels.memory import peak_rss_mb
 
     p = load_params(params_path).decode
@@ -33,7 +34,8 @@ def main(params_path: Path, model_path: Path, vocab: Path, source: Path, out: Pa
     lines = read_lines(source)
     hyps, speed = timed_translate(translator, lines, Search.of(p), progress=True)
     write_lines(out, hyps)
-    write_json(report, speed | {"beam": p.beam, "peak_rss_mb": round(peak_rss_mb())})  # the process's, model included
+    # the process's memory, model included; the class its speed was measured on
+    write_json(report, speed | {"beam": p.beam, "peak_rss_mb": round(peak_rss_mb()), "host_class": host_class()})
     click.echo(f"{source}: {speed['sentences_per_s']} sentences/s, {speed['tokens_per_s']} tokens/s", err=True)
 
 

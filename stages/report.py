@@ -47,7 +47,7 @@ def main(
 ) -> None:
     from transformer import checkpoints
     from transformer.evaluation import report
-    from transformer.evaluation.system import describe_model, hardware
+    from transformer.evaluation.system import describe_model, host_class
     from transformer.tracking import git_commit
 
     params = load_params(params_path)
@@ -69,7 +69,7 @@ def main(
         describe_model(model),
         report.load_timings(timings, params.decode.testsets),
         anchors,
-        hardware(),
+        host_class(),
         git_commit(),
         shown=(testset, report.examples(*sides)),
     )

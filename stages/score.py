@@ -57,7 +57,7 @@ def main(
         signatures,
         with_interval,
     )
-    from transformer.evaluation.system import describe_model, hardware
+    from transformer.evaluation.system import describe_model, host_class
 
     params = load_params(params_path)
     tgt = params.data.tgt_lang
@@ -66,7 +66,7 @@ def main(
         for t in params.decode.testsets
     }
     model = checkpoints.load(model_path)
-    meta = describe_model(model) | {"hardware": hardware()}
+    meta = describe_model(model) | {"decoded and scored on": host_class()}
     scored = {t: metrics_json(s) for t, s in scores.items()}
     write_json(out, scored)
     write_json(signatures_path, {t: signatures(s) for t, s in scores.items()})

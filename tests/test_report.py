@@ -398,8 +398,30 @@ def test_an_ensembles_recipe_names_its_members_counts_one_and_sums_their_trainin
     )
 
 
-def test_the_hardware_names_the_cpus_family_and_model_where_its_name_is_only_a_vendor_line(monkeypatch):
+def test_the_host_class_names_the_cpus_family_and_model_where_its_name_is_only_a_vendor_line(monkeypatch):
     monkeypatch.setattr(system, "cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
-    assert "(AMD EPYC, family 25 model 17, " in system.hardware()
+    assert system.host_class().startswith("AMD EPYC, family 25 model 17; ")
     monkeypatch.setattr(system, "cpuinfo", lambda: {"model name": "AMD EPYC"})
-    assert "(AMD EPYC, " in system.hardware() and "family" not in system.hardware()
+    assert system.host_class().startswith("AMD EPYC; ")
+
+
+@pytest.mark.parametrize(
+    "capability, flags, named",
+    [
+        ("AVX512", "fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "AMX"),
+        ("AVX512", "fpu avx2 avx512f avx512_bf16", "AVX-512 bf16"),
+        ("AVX512", "fpu avx2 avx512f", "AVX-512"),
+        ("AVX2", "fpu avx2 avx512f avx512_bf16", "AVX2"),  # torch held at AVX2 (ATEN_CPU_CAPABILITY)
+    ],
+)
+def test_the_host_class_names_the_instruction_set_that_chose_the_kernels(monkeypatch, capability, flags, named):
+    monkeypatch.setattr(system, "cpuinfo", lambda: {"model name": "X", "flags": flags})
+    monkeypatch.setattr(system.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert system.host_class().split("; ")[1] == named
+
+
+def test_a_run_resumed_on_another_class_names_both():
+    assert system.after(None, "A") == "A" and system.after("A", "A") == "A"
+    assert system.after("A", "B") == "A, then B" and system.after("A, then B", "B") == "A, then B"
+
+

@@ -179,6 +179,7 @@ def average_checkpoints(ckpt_dir: Path, last_k: int, select: str = "last") -> di
         "step": last["step"],
         "mlflow_run_id": last.get("mlflow_run_id"),
         "train_time_s": last.get("train_time_s"),
+        "host_class": last.get("host_class"),
     }
 
 

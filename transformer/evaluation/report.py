@@ -259,11 +259,12 @@ def section(
     model: dict[str, Any],
     timings: dict[str, dict[str, Any]],
     anchors: list[dict[str, Any]],
-    hardware: str,
+    host: str,
     commit: str | None,
     shown: tuple[str, list[str]] = ("", []),
 ) -> str:
-    """The section of one run: `shown` is a test set's name and the lines of `examples` from it."""
+    """The section of one run: `host` is the class it was decoded and scored on (transformer.host), `shown` a
+    test set's name and the lines of `examples` from it."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     baselines = any(a["kind"] == "baseline" for a in anchors)
     parts = [
@@ -298,9 +299,13 @@ def section(
         "",
         *timing_table(timings),
         "",
-        f"Hardware: {hardware}. Code: git commit {commit or 'unknown'}. Written {now}.",
+        f"Host class: {_host_line(model.get('trained on', 'unknown'), host)}. Code: git commit {commit or 'unknown'}. Written {now}.",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _host_line(trained: str, decoded: str) -> str:
+    return trained if trained == decoded else f"trained on {trained}; decoded and scored on {decoded}"
 
 
 def merge(existing: str, key: str, body: str) -> str:

@@ -1,4 +1,6 @@
-"""Descriptions of the model and the machine, for reports."""
+"""Descriptions of the model and the machine, for reports. The machine is its host class: what decides how
+its kernels round, so what two runs must share to agree to the digit. One line, written into every
+report, checkpoint and MLflow run, that a user compares with their own."""
 
 from __future__ import annotations
 
@@ -10,33 +12,6 @@ from typing import Any
 import torch
 
 from transformer.model.model import count_parameters, decoder_layers, make_model
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    cpu = cpuinfo()
-    name = cpu.get("model name") or platform.processor() or "CPU"
-    # Virtual machines often name only the vendor line ("AMD EPYC"); the family and model tell its generations apart.
-    if "cpu family" in cpu and "model" in cpu:
-        name += f", family {cpu['cpu family']} model {cpu['model']}"
-    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...: what CPU speed depends on most
-    threads = torch.get_num_threads()
-    cores = f"{os.cpu_count()} CPU cores ({name}, {capability})"
-    return f"{cores}, torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}"
-
-
-def cpuinfo() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (Linux); empty elsewhere."""
-    path = Path("/proc/cpuinfo")
-    fields: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    return fields
 
 
 def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
@@ -55,4 +30,61 @@ def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
         "updates": ckpt.get("step"),
         "training time": f"{train_time / 60:.1f} min" if train_time else "unknown",
         "averaged": ", ".join(ckpt.get("averaged", [])) or "no",
+        "trained on": ckpt.get("host_class") or "unknown",
     }
+
+
+def host_class() -> str:
+    """The processor (a GPU: its name and compute capability), the instruction set that chose the
+    CPU kernels, torch's version and its threads, e.g. "AMD EPYC, family 26 model 2; AVX-512 bf16;
+    2 CPU cores; torch 2.13.0; 2 threads"."""
+    threads = torch.get_num_threads()
+    tail = f"{os.cpu_count()} CPU cores; torch {torch.__version__}; {threads} thread{'s' * (threads != 1)}"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, capability {major}.{minor}"
+        return f"{gpus}; {processor()}; {tail}"
+    return f"{processor()}; {instruction_set()}; {tail}"
+
+
+def processor() -> str:
+    """The CPU's name; where a virtual machine names only the vendor line ("AMD EPYC"), its family and
+    model, which tell its generations apart."""
+    cpu = cpuinfo()
+    name = cpu.get("model name") or platform.processor() or "CPU"
+    if "cpu family" in cpu and "model" in cpu:
+        name += f", family {cpu['cpu family']} model {cpu['model']}"
+    return name
+
+
+def instruction_set() -> str:
+    """The widest of AVX2 / AVX-512 / AVX-512 bf16 / AMX that torch's kernels use here: torch's own
+    dispatch level (ATEN_CPU_CAPABILITY can hold it lower), refined by the bf16 units the CPU has,
+    which decide how a bf16 matmul rounds."""
+    capability = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512, ...
+    if not capability.startswith("AVX512"):
+        return "AVX2" if capability == "AVX2" else f"below AVX2 ({capability})"
+    flags = set(cpuinfo().get("flags", "").split())
+    if "amx_bf16" in flags:
+        return "AMX"
+    return "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512"
+
+
+def after(previous: str | None, now: str) -> str:
+    """A run's host class when it resumes on `now`: unchanged on the same class, else both in order."""
+    if not previous or previous == now or previous.endswith(f", then {now}"):
+        return now if not previous else previous
+    return f"{previous}, then {now}"
+
+
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux); empty elsewhere."""
+    path = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return fields

@@ -91,5 +91,6 @@ def _run_state(params: Params, env: Dist, pr: Progress, rng: list[dict], wall_s:
         "rank_seeds": [rank_seed(params.train.seed, r) for r in range(env.world)],
         "history": {"steps": list(pr.steps), "epochs": list(pr.epochs)},
         "mlflow_run_id": pr.mlflow_run_id,
+        "host_class": pr.host_class,
         "skipped_updates": pr.skipped_updates,
     }

@@ -219,6 +219,7 @@ def _summary(pr: Progress, clock: Clock, stopped: bool) -> dict[str, Any]:
         "batch_wait_s": round(clock.batch_wait_s, 3),
         "restarts": restarts(),  # by torchrun, in this invocation
         "skipped_updates": pr.skipped_updates,  # by fp16's gradient scaler, over the run
+        "host_class": pr.host_class,
     }
 
 
@@ -280,6 +281,7 @@ def start_tracking(params: Params, progress: Progress, tracker_factory):
             "kernel_cache": kernel_cache(),
             "corpus": d.corpus,
             "direction": f"{d.src_lang}-{d.tgt_lang}",
+            "host_class": progress.host_class,
         }
     )
     if restarts():  # torchrun restarted the job: a metric at the step it resumed from, one a restart

@@ -55,6 +55,7 @@ class Progress:
     steps: list[dict[str, float]] = field(default_factory=list)
     epochs: list[dict[str, float]] = field(default_factory=list)
     mlflow_run_id: str | None = None
+    host_class: str | None = None  # transformer.host's line, naming each class a resumed run trained on
     skipped_updates: int = 0  # by fp16's gradient scaler (training/precision.py)
 
 
@@ -135,6 +136,7 @@ def read_resume_state(ckpt_dir: Path, identity: dict, epoch_updates) -> dict[str
                 "steps": h["steps"],
                 "epochs": h["epochs"],
                 "mlflow_run_id": ckpt.get("mlflow_run_id"),
+                "host_class": ckpt.get("host_class"),
                 "skipped_updates": ckpt.get("skipped_updates", 0),
             }
             kept = {k: ckpt[k] for k in ("model", "optimizer", "rng")}

@@ -33,6 +33,7 @@ from transformer.data.batching import (
     token_batches,
 )
 from transformer.data.vocab import PAD, load_vocabs, vocab_from_state
+from transformer.evaluation import system
 from transformer.errors import DataError, TrainingError
 from transformer.io import read_lines, sha256_file
 from transformer.kernels.accelerate import accelerate
@@ -184,6 +185,7 @@ def _prepare(params: Params, env: Dist, inputs: Inputs, out: Outputs) -> tuple[S
         lambda epoch: len(epoch_groups(split.fixed, p, epoch)),
         scaler=precision.scaler,
     )
+    progress.host_class = system.after(progress.host_class, system.host_class())
     meta = {
         "model_config": _model_config(params, src_vocab, tgt_vocab),
         "vocab": {"src": src_vocab.state(), "tgt": tgt_vocab.state()},

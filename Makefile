@@ -5,7 +5,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 
-.PHONY: repro test ui bench bench-scale lock preset docs
+.PHONY: repro test ui reference bench bench-scale lock preset docs
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,8 +14,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test,docs]'
 	touch $@
 
+# Ends with the verdict: whether this run reproduced the committed reference of its recipe.
 repro: $(VENV)/.installed
 	dvc repro
+	@transformer verdict
 
 test: $(VENV)/.installed
 	python -m pytest -q -n auto --dist loadfile
@@ -37,6 +39,10 @@ docs: $(VENV)/.installed docs/annotated.md
 
 docs/annotated.md: docs/annotated.py docs/tools/render.py $(shell find transformer -name '*.py') | $(VENV)/.installed
 	python docs/tools/render.py
+
+# Makes the finished run in this checkout its recipe's committed reference (bench/reference.py).
+reference: $(VENV)/.installed
+	python -m bench.reference
 
 bench: $(VENV)/.installed
 	python -m bench.bench

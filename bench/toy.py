@@ -136,7 +136,7 @@ def project_copy(tmp_path: Path, params: dict) -> Path:
     """A fresh git + DVC repository holding the project and the toy corpus."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    for name in ("dvc.yaml", "stages", "transformer"):
+    for name in ("dvc.yaml", "stages", "transformer", "reports/reference"):
         src = ROOT / name
         (
             shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -183,6 +183,30 @@ SMALL = {"train.epochs": 3, "train.save_every": 10, "average.last_k": 2}
 
 # model.pt's record of one run, not of its result: the keys two runs of the same work may differ in.
 RUN_RECORD = ("mlflow_run_id", "train_time_s")
+
+
+def clean_run(directory: Path) -> Path:
+    """One clean `dvc repro` of the toy project at SMALL's settings, in `directory`: the pipeline tests' run,
+    and the one a fingerprint is taken of."""
+    repo = project_copy(directory, tiny_params(**SMALL))
+    run([DVC, "repro"], repo, timeout=1200)
+    return repo
+
+
+def fingerprint(repo: Path) -> str:
+    """sha256 of what a finished toy run computed: the averaged model's weights and the translations. Any
+    change to the code's numerics on a host class (a kernel, an op's order, the search) shows in it, and
+    two clean runs on one class agree, so it tells whether today's code still makes a committed run."""
+    import torch
+
+    found = hashlib.sha256()
+    weights = torch.load(repo / "data/model/model.pt", weights_only=True)["model"]
+    for name, tensor in sorted(weights.items()):
+        found.update(name.encode())
+        found.update(tensor.detach().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    for path in sorted((repo / "data/translations").glob("*.txt")):
+        found.update(path.read_bytes())
+    return found.hexdigest()
 
 
 def tree(directory: Path) -> dict[str, str]:

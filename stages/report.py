@@ -1,12 +1,13 @@
 """Stage report: this run's section of reports/reproduction.md (scores beside published ones and our baselines,
-a few test sentences translated)."""
+a few test sentences translated, the verdict against the committed reference, which it also writes as JSON
+and prints)."""
 
 from pathlib import Path
 
 import click
 
 from transformer.config import load_params
-from transformer.io import check_aligned, read_json, read_lines, write_text
+from transformer.io import check_aligned, read_json, read_lines, write_json, write_text
 from transformer.stage import PARAMS, stage
 
 
@@ -30,6 +31,13 @@ from transformer.stage import PARAMS, stage
 @click.option("--translations", required=True, type=click.Path(path_type=Path), help="directory of <testset>.txt")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="the report; other sections are kept")
 @click.option(
+    "--references",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="directory of the committed references, a subdirectory a report section",
+)
+@click.option("--verdict", "verdict_path", required=True, type=click.Path(path_type=Path), help="the verdict's JSON")
+@click.option(
     "--track/--no-track", default=True, show_default=True, help="log this section into that evaluation's MLflow run"
 )
 @stage
@@ -43,10 +51,12 @@ def main(
     raw: Path,
     translations: Path,
     out: Path,
+    references: Path,
+    verdict_path: Path,
     track: bool,
 ) -> None:
     from transformer import checkpoints
-    from transformer.evaluation import report
+    from transformer.evaluation import report, verdict
     from transformer.evaluation.system import describe_model, host_class
     from transformer.tracking import git_commit
 
@@ -62,6 +72,7 @@ def main(
     sides = [read_lines(f) for f in files]
     for path, lines in zip(files[1:], sides[1:]):
         check_aligned([files[0], path], [len(sides[0]), len(lines)], f"{testset} test set")
+    found = verdict.judge(params, translations, raw, verdict.reference_dir(params, references))
     body = report.section(
         params,
         scored,
@@ -72,16 +83,19 @@ def main(
         host_class(),
         git_commit(),
         shown=(testset, report.examples(*sides)),
+        verdict=verdict.paragraph(found),
     )
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))
+    write_json(verdict_path, found)
     if track:
         from transformer.tracking import log_to_run
 
         # the section holds one evaluation's scores (its beam, alpha), so not the training's run
-        log_to_run(run_id, texts={"reports/reproduction.md": body})
+        log_to_run(run_id, texts={"reports/reproduction.md": body}, tags={"verdict": found["verdict"]})
     click.echo(f"{out}: section {key} written", err=True)
+    click.echo(found["line"], err=True)
 
 
 if __name__ == "__main__":

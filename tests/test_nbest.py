@@ -140,7 +140,9 @@ def wordy_file(model_file, tmp_path_factory) -> Path:
 
 def test_translator_score_gives_each_translation_the_score_translate_gave_it(wordy_file):
     translator, extra = Translator.load(wordy_file, device="cpu"), 4
-    lists = translator.translate(SRC_LINES, translator.search(beam=4, nbest=4, max_len_extra=extra, alpha=0.0), return_scores=True)
+    lists = translator.translate(
+        SRC_LINES, translator.search(beam=4, nbest=4, max_len_extra=extra, alpha=0.0), return_scores=True
+    )
     # the hypotheses that ended in </s>, shorter than the bound (the source's words, its </s>, extra)
     ended = [
         (source, text, score)

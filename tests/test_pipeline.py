@@ -27,7 +27,7 @@ from conftest import (
 )
 from test_experiments import DOWNSTREAM_OF_TRAIN
 
-from bench.toy import RUN_RECORD, SMALL, start_repro, tree
+from bench.toy import ROOT, RUN_RECORD, SMALL, clean_run, fingerprint, start_repro, tree
 from transformer.evaluation.score import BOOTSTRAP, with_interval
 from transformer.kernels.memory import KERNEL_CACHE, mimalloc_library
 
@@ -171,9 +171,7 @@ def test_download_stage_reads_the_mirror_and_verifies_checksums(tmp_path):
 @pytest.fixture(scope="module")
 def clean_repro(tmp_path_factory) -> Path:
     """One clean `dvc repro` of the toy pipeline at the smallest settings, shared read-only."""
-    repo = project_copy(tmp_path_factory.mktemp("clean"), tiny_params(**SMALL))
-    run([DVC, "repro"], repo, timeout=1200)
-    return repo
+    return clean_run(tmp_path_factory.mktemp("clean"))
 
 
 # Two clean repros in separate directories are byte-identical: tests/test_soak.py's soak starts with
@@ -276,3 +274,67 @@ def test_registry_change_reruns_download_and_mirror_change_reruns_nothing(tmp_pa
     rerun = run([DVC, "repro"], repo)
     assert "Running stage 'download'" in rerun.stdout
     assert "Running stage 'tokenize'" not in rerun.stdout  # the same files downloaded: nothing downstream changes
+
+
+@pytest.mark.slow
+def test_a_rerun_is_identical_to_the_reference_another_seed_is_judged_and_another_recipe_refused(tmp_path, clean_repro):
+    from transformer.config import load_params
+    from transformer.evaluation import verdict
+
+    repo = tmp_path / "repo"
+    shutil.copytree(clean_repro, repo, symlinks=True)
+    assert json.loads((repo / "reports/verdict.json").read_text())["verdict"] == "no reference"
+    params = load_params(repo / "params.yaml")
+    reference = verdict.reference_dir(params, repo / verdict.REFERENCES)
+    scores = json.loads((repo / "reports/scores.json").read_text())
+    verdict.record(params, scores, repo / "data/translations", reference, host_class="here", commit=None)
+
+    def judged(**changes) -> tuple[dict, str]:
+        if changes:
+            raw = yaml.safe_load((repo / "params.yaml").read_text())
+            for key, value in changes.items():
+                section, name = key.split(".")
+                raw[section][name] = value
+            (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        done = run([DVC, "repro"], repo, timeout=600)
+        return json.loads((repo / "reports/verdict.json").read_text()), done.stdout + done.stderr
+
+    found, said = judged()
+    assert found["verdict"] == "identical" and found["line"] in said  # only the report reran, and said it
+    assert run([str(BIN / "transformer"), "verdict"], repo).stdout.strip() == found["line"]  # as make repro ends
+    evaluation = json.loads((repo / "reports/evaluation.json").read_text())["mlflow_run_id"]
+    assert mlflow_client(repo).get_run(evaluation).data.tags["verdict"] == "identical"
+
+    found, said = judged(**{"train.seed": 2})
+    assert found["verdict"] in ("reproduced", "differs") and found["line"] in said, found
+    low, high = found["diff_ci95"]
+    assert low <= found["diff"] <= high and 0 <= found["p_bs"] <= 1
+    assert (
+        f"Against the committed reference: {found['verdict']}: test2016 BLEU"
+        in (repo / "reports/reproduction.md").read_text()
+    )
+    assert "reports/verdict.json" in run([DVC, "metrics", "show"], repo).stdout
+
+    found, said = judged(**{"decode.beam": 1})
+    assert found["verdict"] == "not compared" and "another recipe (decode.beam is 1 here, 2 in" in found["line"]
+
+
+@pytest.mark.slow
+def test_every_committed_row_is_what_todays_code_makes_on_its_class(clean_repro):
+    """Each committed reference holds the fingerprint of the code that made it on its class (bench/reference.py):
+    on that class, today's must be the same, or the rows it names would no longer be reproduced."""
+    import warnings
+
+    from transformer.evaluation.system import numerics_class
+    from transformer.evaluation.verdict import RECORD, REFERENCES
+
+    records = {p.parent.name: json.loads(p.read_text()) for p in sorted((ROOT / REFERENCES).glob(f"*/{RECORD}"))}
+    assert records, f"no committed reference under {REFERENCES}"
+    here, today = numerics_class(), fingerprint(clean_repro)
+    judged = {name: r for name, r in records.items() if r["fingerprint"]["numerics_class"] == here}
+    if not judged:
+        made_on = sorted({r["fingerprint"]["numerics_class"] for r in records.values()})
+        warnings.warn(f"the committed rows were made on {made_on}: on {here} this test cannot judge them", stacklevel=1)
+    stale = sorted(name for name, r in judged.items() if r["fingerprint"]["toy"] != today)
+    remake = "remake them (make repro, make reference)"
+    assert not stale, f"today's code would not reproduce the rows {stale} on {here}: {remake}"

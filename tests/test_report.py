@@ -423,5 +423,3 @@ def test_the_host_class_names_the_instruction_set_that_chose_the_kernels(monkeyp
 def test_a_run_resumed_on_another_class_names_both():
     assert system.after(None, "A") == "A" and system.after("A", "A") == "A"
     assert system.after("A", "B") == "A, then B" and system.after("A, then B", "B") == "A, then B"
-
-

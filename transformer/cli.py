@@ -273,3 +273,21 @@ def promote(version: int, alias: str, params_path: Path) -> None:
     name = load_params(params_path).export.registered_name
     set_alias(name, version, alias)
     click.echo(f"models:/{name}@{alias} -> version {version}", err=True)
+
+
+@main.command()
+@click.option(
+    "--file",
+    "path",
+    default="reports/verdict.json",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="the report stage's verdict",
+)
+@stage
+def verdict(path: Path) -> None:
+    """Prints whether the last `dvc repro` reproduced the committed reference of its recipe: identical,
+    reproduced (no significant difference), differs, or why it was not compared."""
+    from transformer.io import read_json
+
+    click.echo(read_json(path)["line"])

@@ -316,7 +316,10 @@ def run_name(what: str) -> str:
 
 
 def log_to_run(
-    run_id: str | None, artifacts: dict[str, list[Path]] | None = None, texts: dict[str, str] | None = None
+    run_id: str | None,
+    artifacts: dict[str, list[Path]] | None = None,
+    texts: dict[str, str] | None = None,
+    tags: dict[str, str] | None = None,
 ) -> None:
     """A later stage's files into a finished run: the training's (its id from the model file) or an
     evaluation's (its id from the score stage's --evaluation file); nothing when run_id is None, as it is
@@ -329,6 +332,8 @@ def log_to_run(
             tracker.log_artifact(path, directory)
     for artifact_file, text in (texts or {}).items():
         tracker.log_text(text, artifact_file)
+    if tags:
+        tracker.set_tags(tags)
     tracker.end()
 
 

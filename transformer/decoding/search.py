@@ -221,12 +221,14 @@ def _finish_long(finished, alive, tokens, *, scores, max_len, K, t, alpha, nbest
     is its log-probability now over the largest lp it can reach there: lp's at the limit, as alpha >= 0."""
     limit = max_len[alive]
     best_possible = scores.max(1).values / length_penalty(limit, alpha)  # (n,)
-    to_beat = [hyps[nbest - 1][0] if len(hyps) >= nbest else float("-inf") for hyps in map(finished.__getitem__, alive.tolist())]
+    kept = [finished[s] for s in alive.tolist()]
+    to_beat = [hyps[nbest - 1][0] if len(hyps) >= nbest else float("-inf") for hyps in kept]
     done = best_possible <= torch.tensor(to_beat, device=alive.device)
     at_limit = (limit <= t) & ~done
     for i in at_limit.nonzero().flatten().tolist():
         for j in range(K):
             if torch.isfinite(scores[i, j]):
                 raw = float(scores[i, j])
-                _keep_best(finished[alive[i]], (raw / length_penalty(t, alpha), raw, tokens[i * K + j].tolist()[1:]), nbest)
+                found = (raw / length_penalty(t, alpha), raw, tokens[i * K + j].tolist()[1:])
+                _keep_best(finished[alive[i]], found, nbest)
     return done | at_limit

@@ -262,30 +262,23 @@ def section(
     host: str,
     commit: str | None,
     shown: tuple[str, list[str]] = ("", []),
+    verdict: str = "",
 ) -> str:
-    """The section of one run: `host` is the class it was decoded and scored on (transformer.host), `shown` a
-    test set's name and the lines of `examples` from it."""
+    """The section of one run: `host` is the class it was decoded and scored on (system.host_class), `shown`
+    a test set's name and the lines of `examples` from it, `verdict` the paragraph comparing the run with
+    the committed reference (verdict.paragraph)."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    baselines = any(a["kind"] == "baseline" for a in anchors)
     parts = [
         f"## {params.data.corpus} {_direction(params)}",
         "",
         *headline(params, scores, anchors, timings),
         "",
+        *([verdict, ""] if verdict else []),
         "Beside the published figures, each in the metric it was published with:",
         "",
         *comparison(scores, anchors, "published"),
         "",
-        *(
-            [
-                "Beside our own baselines (other models trained by us, not published figures):",
-                "",
-                *comparison(scores, anchors, "baseline"),
-                "",
-            ]
-            if baselines
-            else []
-        ),
+        *_baselines(scores, anchors),
         "All scores:",
         "",
         *score_table(scores, signatures),
@@ -299,9 +292,21 @@ def section(
         "",
         *timing_table(timings),
         "",
-        f"Host class: {_host_line(model.get('trained on', 'unknown'), host)}. Code: git commit {commit or 'unknown'}. Written {now}.",
+        f"Host class: {_host_line(model.get('trained on', 'unknown'), host)}. "
+        f"Code: git commit {commit or 'unknown'}. Written {now}.",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _baselines(scores: dict[str, dict[str, Any]], anchors: list[dict[str, Any]]) -> list[str]:
+    if not any(a["kind"] == "baseline" for a in anchors):
+        return []
+    return [
+        "Beside our own baselines (other models trained by us, not published figures):",
+        "",
+        *comparison(scores, anchors, "baseline"),
+        "",
+    ]
 
 
 def _host_line(trained: str, decoded: str) -> str:

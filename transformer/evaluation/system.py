@@ -35,16 +35,28 @@ def describe_model(ckpt: dict[str, Any]) -> dict[str, Any]:
 
 
 def host_class() -> str:
-    """The processor (a GPU: its name and compute capability), the instruction set that chose the
-    CPU kernels, torch's version and its threads, e.g. "AMD EPYC, family 26 model 2; AVX-512 bf16;
-    2 CPU cores; torch 2.13.0; 2 threads"."""
+    """The processor, what chose the kernels (kernels()), the cores, torch's version and its threads,
+    e.g. "AMD EPYC, family 26 model 2; AVX-512 bf16; 2 CPU cores; torch 2.13.0; 2 threads"."""
     threads = torch.get_num_threads()
-    tail = f"{os.cpu_count()} CPU cores; torch {torch.__version__}; {threads} thread{'s' * (threads != 1)}"
+    cores = f"{os.cpu_count()} CPU cores"
+    return f"{processor()}; {kernels()}; {cores}; torch {torch.__version__}; {threads} thread{'s' * (threads != 1)}"
+
+
+def numerics_class() -> str:
+    """What of host_class decides the numbers a run computes: the CPU's vendor, what chose the kernels and
+    torch's version, not the generation, cores or threads of one machine, e.g. "AMD; AVX-512 bf16; torch
+    2.13.0". Runs of one recipe on one numerics class agree to the digit."""
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(cpuinfo().get("vendor_id", ""), platform.machine())
+    return f"{vendor}; {kernels()}; torch {torch.__version__}"
+
+
+def kernels() -> str:
+    """A GPU's name and compute capability where training and decoding run on one, else the CPU's
+    instruction set."""
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
-        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, capability {major}.{minor}"
-        return f"{gpus}; {processor()}; {tail}"
-    return f"{processor()}; {instruction_set()}; {tail}"
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, capability {major}.{minor}"
+    return instruction_set()
 
 
 def processor() -> str:
@@ -73,7 +85,7 @@ def instruction_set() -> str:
 def after(previous: str | None, now: str) -> str:
     """A run's host class when it resumes on `now`: unchanged on the same class, else both in order."""
     if not previous or previous == now or previous.endswith(f", then {now}"):
-        return now if not previous else previous
+        return previous or now
     return f"{previous}, then {now}"
 
 

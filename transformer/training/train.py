@@ -33,8 +33,8 @@ from transformer.data.batching import (
     token_batches,
 )
 from transformer.data.vocab import PAD, load_vocabs, vocab_from_state
-from transformer.evaluation import system
 from transformer.errors import DataError, TrainingError
+from transformer.evaluation import system
 from transformer.io import read_lines, sha256_file
 from transformer.kernels.accelerate import accelerate
 from transformer.kernels.memory import keep_freed_memory, peak_rss_mb, release_freed_memory

@@ -88,7 +88,7 @@ def main(
     key = report.key(params)
     existing = out.read_text(encoding="utf-8") if out.exists() else ""
     write_text(out, report.merge(existing, key, body))
-    write_json(verdict_path, found)
+    write_json(verdict_path, found | {"host_class": host_class()})
     if track:
         from transformer.tracking import log_to_run
 

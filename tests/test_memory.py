@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -129,9 +130,8 @@ def test_a_library_the_loader_was_given_is_not_asked_for_again(tmp_path, monkeyp
     memory.preload_allocator()
 
 
-# Updates of a tiny model in bf16 over batches of changing shapes, as training's are; the resident
-# set before them, after a first stretch (long enough to meet most row buckets, PaddedLinear's)
-# and after two and a half times as many.
+# Updates of a tiny model in bf16 over batches of changing shapes, as training's are, and the resident
+# set every 10 of them from the 50th on (by then most row buckets, PaddedLinear's, have been met).
 _UPDATES = """
 import json, torch
 from transformer.kernels.memory import keep_freed_memory, training_memory
@@ -153,8 +153,8 @@ model = make_model(src_vocab=vocab, tgt_vocab=vocab, pad=0, N=1, decoder_N=0, d_
                    dropout=0.1, attn_dropout=0.0, ff_dropout=0.0, word_dropout=0.0, norm="pre", tie_embeddings=True)
 model, criterion = accelerate(model, torch.device("cpu")), accelerate(Loss(0, 0.1), torch.device("cpu"))
 optimizer = make_optimizer(model, 0.0, torch.device("cpu"))
-rss, pending = {0: resident_mb()}, []
-for step in range(1, 201):
+rss, pending = {}, []
+for step in range(1, 301):
     length = int(torch.randint(5, 60, ()))
     rows = 3000 // length
     real = torch.arange(length)[None] < torch.randint(1, length + 1, (rows, 1))
@@ -168,7 +168,7 @@ for step in range(1, 201):
         pending.clear()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if step in (80, 200):
+    if step >= 50 and step % 10 == 0:
         rss[step] = resident_mb()
 print(json.dumps(rss))
 """
@@ -177,7 +177,13 @@ print(json.dumps(rss))
 @needs_mimalloc
 @pytest.mark.slow
 def test_a_training_processs_memory_does_not_grow_with_its_updates():
+    """The leak this loop can have holds an update's graph: its bf16 logits alone (3,000 tokens by 8,000
+    words) are 48 MB an update. The bound, 1 MB an update between the medians of two windows 150 updates
+    apart, fails such a leak 48 times over, and leaves room for what is not a leak: the allocator and
+    oneDNN's kernel cache settling, which a loaded host stretches over more updates (one sample alone may
+    fall amid a purge, so the windows' medians decide)."""
     done = _run(_UPDATES, OMP_NUM_THREADS="1")  # one thread: the test workers keep the cores busy
     assert done.returncode == 0, done.stderr
-    rss = json.loads(done.stdout)
-    assert rss["200"] - rss["80"] < 0.2 * (rss["80"] - rss["0"]), rss
+    rss = {int(step): mb for step, mb in json.loads(done.stdout).items()}
+    early, late = (statistics.median(rss[s] for s in range(first, first + 101, 10)) for first in (50, 200))
+    assert (late - early) / 150 < 1.0, rss

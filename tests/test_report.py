@@ -423,3 +423,22 @@ def test_the_host_class_names_the_instruction_set_that_chose_the_kernels(monkeyp
 def test_a_run_resumed_on_another_class_names_both():
     assert system.after(None, "A") == "A" and system.after("A", "A") == "A"
     assert system.after("A", "B") == "A, then B" and system.after("A, then B", "B") == "A, then B"
+
+
+def test_every_readme_row_is_a_committed_reference_holding_its_scores_and_what_made_it():
+    """A row of the results table is a run a user's run is judged against (evaluation.verdict), and the
+    suite checks it still is what today's code makes (tests/test_pipeline.py): its reference must exist."""
+    from transformer.evaluation.verdict import RECORD, REFERENCES
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- results -->")[1].split("<!-- /results -->")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines() if line.startswith("| ")]
+    for cells in rows[2:]:  # below the header and its rule
+        direction, _, label = cells[1].partition(" (")
+        section = " ".join(filter(None, [cells[0], direction.replace("→", "-"), label.rstrip(")")]))
+        path = ROOT / REFERENCES / section.replace(" ", "_") / RECORD
+        assert path.is_file(), f"the README's row {section} has no committed reference ({path})"
+        record = json.loads(path.read_text(encoding="utf-8"))
+        scores = record["scores"]
+        assert cells[3:7] == [with_interval(scores[m], interval(scores, m)) for m in METRICS], section
+        assert record["host_class"] and record["commit"] and record["fingerprint"]["toy"], section

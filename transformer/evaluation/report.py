@@ -79,7 +79,7 @@ def headline(
     s = scores[testset]
     beside = [
         ", ".join(
-            f"{a['bleu']} {METRICS.get(a['metric'], a['metric'])}"
+            f"{a['bleu']} {METRICS.get(a['metric'], a['metric'])}" + (f" ({a['label']})" if a.get("label") else "")
             for a in anchors
             if a["testset"] == testset and a["kind"] == kind
         )

@@ -41,6 +41,7 @@ def main(params_path: Path) -> None:
         params,
         read_json("reports/scores.json"),
         Path("data/translations"),
+        Path("data/raw"),
         out,
         host_class=model.get("host_class"),
         commit=git_commit(),

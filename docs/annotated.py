@@ -41,6 +41,8 @@ from transformer.data.vocab import BOS, EOS, PAD, SPECIALS, BpeVocab
 from transformer.decoding import search
 from transformer.decoding.search import beam_search, beam_search_nbest, greedy, length_penalty, one_path
 from transformer.evaluation.figures import draw_alignment
+from transformer.evaluation.score import interval, values, with_interval
+from transformer.evaluation.verdict import RECORD, reference_dir
 from transformer.model.attention import Mask, MultiHeadAttention
 from transformer.model.embeddings import Embeddings, PositionalEncoding
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, Residual
@@ -849,9 +851,9 @@ fig.tight_layout()
 #
 # The pipeline (`dvc repro`) trains the same code on Multi30k with the default recipe of
 # params.yaml, whose main choices are printed below, on 2 CPU cores. The repository commits that
-# reference run's scores; each comes with its sacreBLEU signature, which says exactly how it was
-# computed (tokenizer, casing, smoothing, sacreBLEU's version), so that it can be compared with
-# another figure.
+# reference run's scores; each comes with its 95% bootstrap interval and its sacreBLEU signature,
+# which says exactly how it was computed (tokenizer, casing, smoothing, sacreBLEU's version), so
+# that it can be compared with another figure.
 
 # %%
 print(f"{params.data.corpus} {params.data.src_lang}->{params.data.tgt_lang}, {params.vocab.kind} {params.vocab.size}")
@@ -861,10 +863,24 @@ print(f"last {params.average.last_k} checkpoints averaged, beam {params.decode.b
 print()
 scores = json.loads(open("reports/scores.json").read())
 signatures = json.loads(open("reports/signatures.json").read())
-for testset, metrics in scores.items():
+for testset, scored in scores.items():
     print(testset)
-    for metric, value in metrics.items():
-        print(f"  {metric:12s} {value:6.2f}   {signatures[testset][metric]}")
+    for metric, value in values(scored).items():
+        print(f"  {metric:12s} {with_interval(value, interval(scored, metric)):>13s}   {signatures[testset][metric]}")
+
+# %% [markdown]
+# Five test2016 sentences as that run translated them, the same lines the report shows, from the
+# reference the repository commits for the recipe (its translations and what made them), against
+# which `make repro` judges a run of it:
+
+# %%
+committed = json.loads((reference_dir(params) / RECORD).read_text())
+print(f"made on {committed['host_class']}")
+for row in committed["examples"]:
+    print(f"line {row['line']}")
+    print(f"  source       {row['source']}")
+    print(f"  reference    {row['reference']}")
+    print(f"  translation  {row['translations'][0]}  (sentence BLEU {row['bleu'][0]})")
 
 # %% [markdown]
 # The `figures` stage draws the trained model's attention on sentences of the validation set.
@@ -876,6 +892,11 @@ for testset, metrics in scores.items():
 # ![Decoder self-attention of the trained Multi30k model](../reports/figures/attention_1_decoder.png)
 #
 # ![Source attention of the trained Multi30k model](../reports/figures/attention_1_source.png)
+#
+# The last of them again, as an alignment: the mean of the heads, a row for each token the model
+# writes over the source's tokens:
+#
+# ![Source attention of the trained Multi30k model, the mean of its heads](../reports/figures/alignment_1.png)
 #
 # And the reference run's learning rate and loss, as its training logged them:
 #
@@ -897,21 +918,18 @@ for testset, metrics in scores.items():
 # extra dropouts, its schedule, Adam without weight decay, no R-Drop, no averaging, greedy
 # decoding. Pre-norm stays, as the Annotated Transformer normalizes that way too. What it keeps
 # from this pipeline: token batches instead of its 32 sentences padded to 72, sized to about as
-# many sentences an update. What the preset changes, and the two recipes' test2016 scores from
-# the README's results table:
+# many sentences an update. What the preset changes, and the two recipes' test2016 BLEU with
+# their 95% intervals, as the ladder below ran them, at one seed on one host class:
 
 # %%
 default = yaml.safe_load(open("params.yaml"))
-for section, values in yaml.safe_load(open("params/annotated_transformer.yaml")).items():
-    for key, value in values.items():
+for section, changes in yaml.safe_load(open("params/annotated_transformer.yaml")).items():
+    for key, value in changes.items():
         if section not in ("report", "export"):  # names, not the recipe
             print(f"  {section}.{key}: {default[section][key]} -> {value}")
-results = [line for line in open("README.md") if line.startswith(("| corpus", "| multi30k"))]
-header, *rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in results]
-column = {name: header.index(name) for name in ("direction", "test set", "BLEU")}
-bleu = {row[column["direction"]]: row[column["BLEU"]] for row in rows if row[column["test set"]] == "test2016"}
-ours, theirs = bleu["de→en"], bleu["de→en (annotated_transformer)"]
-print(f"test2016 BLEU: default {ours}, annotated_transformer {theirs}")
+ladder = json.load(open("reports/ladder.json"))
+theirs, ours = (ladder["metrics"]["bleu"]["systems"][end] for end in (0, -1))
+print(f"test2016 BLEU: annotated_transformer {theirs['score']} {theirs['ci95']}, default {ours['score']} {ours['ci95']}")
 
 # %% [markdown]
 # Both are single runs of one seed; the README says how far a seed alone moves a score.
@@ -932,7 +950,6 @@ print(f"test2016 BLEU: default {ours}, annotated_transformer {theirs}")
 # `python docs/tools/ladder.py table` writes the table, `reports/ladder.json`, that this cell reads:
 
 # %%
-ladder = json.load(open("reports/ladder.json"))
 for k, (step, row) in enumerate(zip(ladder["steps"], ladder["metrics"]["bleu"]["systems"])):
     print(f"{k}. {step['change']}")
     line = f"   BLEU {row['score']:5.2f} {row['ci95']}"

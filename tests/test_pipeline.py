@@ -287,7 +287,8 @@ def test_a_rerun_is_identical_to_the_reference_another_seed_is_judged_and_anothe
     params = load_params(repo / "params.yaml")
     reference = verdict.reference_dir(params, repo / verdict.REFERENCES)
     scores = json.loads((repo / "reports/scores.json").read_text())
-    verdict.record(params, scores, repo / "data/translations", reference, host_class="here", commit=None)
+    translations, raw = repo / "data/translations", repo / "data/raw"
+    verdict.record(params, scores, translations, raw, reference, host_class="here", commit=None)
 
     def judged(**changes) -> tuple[dict, str]:
         if changes:

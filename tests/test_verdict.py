@@ -35,7 +35,9 @@ def project(tmp_path: Path):
     write_lines(tmp_path / "translations/test2016.txt", _worse(refs, 3))
     scores = {"test2016": {"bleu": 50.0}}
     reference = verdict.reference_dir(params, tmp_path / "reference")
-    verdict.record(params, scores, tmp_path / "translations", reference, host_class="X", commit="abc", fingerprint={})
+    write_lines(tmp_path / "raw/test2016.de", [f"source {i}" for i in range(len(refs))])
+    translations, raw = tmp_path / "translations", tmp_path / "raw"
+    verdict.record(params, scores, translations, raw, reference, host_class="X", commit="abc", fingerprint={})
     return params, tmp_path, reference
 
 
@@ -95,4 +97,6 @@ def test_the_record_holds_the_recipe_the_scores_and_what_made_them(project):
     record = read_json(reference / verdict.RECORD)
     assert record["testset"] == "test2016" and record["scores"] == {"bleu": 50.0}
     assert record["host_class"] == "X" and record["params"]["decode.beam"] == 2
+    assert [row["line"] for row in record["examples"]] == [1, 61, 121, 181, 241]  # the report's five
+    assert record["examples"][1]["source"] == "source 60"
     assert not any(k.startswith(verdict.NOT_RECIPE) for k in record["params"])

@@ -10,11 +10,12 @@ git, not DVC's cache, so that every clone, with or without a DVC remote, can jud
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from transformer.config import Params, flatten
-from transformer.evaluation.report import headline_testset, key, load_anchors
+from transformer.evaluation.report import example_rows, headline_testset, key, load_anchors
 from transformer.io import read_json, read_lines, write_json, write_lines
 
 REFERENCES = Path("reports/reference")
@@ -40,8 +41,8 @@ def reference_dir(params: Params, root: Path = REFERENCES) -> Path:
 
 
 def recipe(params: Params) -> dict[str, Any]:
-    """The params that decide a run's translations."""
-    return {k: v for k, v in flatten(params).items() if not k.startswith(NOT_RECIPE)}
+    """The params that decide a run's translations, as reference.json holds them (a list for a tuple)."""
+    return json.loads(json.dumps({k: v for k, v in flatten(params).items() if not k.startswith(NOT_RECIPE)}))
 
 
 def judge(params: Params, translations: Path, raw: Path, reference: Path) -> dict[str, Any]:
@@ -96,14 +97,16 @@ def _said(verdict: str, line: str, **found: Any) -> dict[str, Any]:
 
 
 def record(
-    params: Params, scores: dict[str, dict[str, Any]], translations: Path, out: Path, **made_with: Any
+    params: Params, scores: dict[str, dict[str, Any]], translations: Path, raw: Path, out: Path, **made_with: Any
 ) -> dict[str, Any]:
     """The reference record of a finished run whose scores are `scores` (the score stage's JSON), its
-    headline test set's translations copied beside it under `out`; `made_with`: host_class, commit,
-    fingerprint."""
+    headline test set's translations (references in `raw`) copied beside it under `out`, with the
+    report's example sentences; `made_with`: host_class, commit, fingerprint."""
     d = params.data
     testset = headline_testset(scores, load_anchors(d.corpus, d.src_lang, d.tgt_lang))
-    write_lines(out / f"{testset}.txt", read_lines(translations / f"{testset}.txt"))
+    translated = read_lines(translations / f"{testset}.txt")
+    sides = [read_lines(raw / f"{testset}.{lang}") for lang in (d.src_lang, d.tgt_lang)]
     written = {"section": key(params), "testset": testset, "scores": scores[testset], **made_with}
-    write_json(out / RECORD, written | {"params": recipe(params)})
+    write_lines(out / f"{testset}.txt", translated)
+    write_json(out / RECORD, written | {"examples": example_rows(*sides, [translated]), "params": recipe(params)})
     return written

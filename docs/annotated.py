@@ -766,21 +766,16 @@ for f, w in list(zip(found, wanted))[:3]:
 # pick one continuation $K$ times. At each step, every hypothesis is extended by every token, its
 # score the sum of its tokens' log-probabilities, and the $2K$ best continuations of each sentence
 # are kept: enough to hold $K$ that do not end in `</s>`. Those that end in `</s>` and rank among
-# the first $K$ are finished, their score divided by the length penalty, and a sentence keeps the
-# best of its finished ones by that score (`_finish_eos`, `_keep_best`); the $K$ best of the others
-# go on, and the decoder's cached keys and values follow them (`state.select`). A sentence is done
-# once no live hypothesis can beat its best finished one, or at its length limit, where the live
-# ones are finished as they are (`_finish_long`). A log-probability only falls as a hypothesis
-# grows, and with $\alpha \ge 0$ the length penalty only rises, so the most a live hypothesis can
-# still score is its log-probability now divided by the penalty at the length limit: once that is
-# below the best finished score, nothing the search could still find would win. On the copier:
-# beam 4 over the 200 new sequences, and the 4 best hypotheses of the first.
+# the first $K$ are finished, their score divided by the length penalty (`_finish_eos`); the $K$
+# best of the others go on, and the decoder's cached keys and values follow them
+# (`state.select`). A sentence is done when $K$ of its hypotheses have finished, or at its length
+# limit, where the live ones are finished as they are (`_finish_long`). On the copier: beam 4 over
+# the 200 new sequences, and the 4 best hypotheses of the first.
 
 # %%
 show(beam_search)
 show(search._beam)
 show(search._finish_eos)
-show(search._keep_best)
 show(search._finish_long)
 beamed = beam_search(copier, batch.src, beam=4, alpha=0.6, max_len=limit, bos=BOS, eos=EOS)
 print(f"beam 4: {sum(f == w for f, w in zip(beamed, wanted))} of {len(test)} new sequences copied exactly")
@@ -792,18 +787,25 @@ for hypothesis in nbest[0]:
 # %% [markdown]
 # An n-best list can hold an empty hypothesis, `[]`. `</s>` is a token like any other, and
 # nothing stops the search from choosing it first: at every step, a continuation ending in `</s>`
-# that ranks among the `beam` best finishes there. A copier this sure of its first token leaves
-# every other first token, `</s>` among them, nearly impossible, so the runners-up that finish can
-# include the empty one. It ranks last or near it, and the best hypothesis is the one a
-# translation uses. (The list above may or may not show one: a machine that rounds differently
-# trains a slightly different copier.)
+# that ranks among the `beam` best finishes there, and a sentence is done once `beam` hypotheses
+# have finished. A copier this sure of its first token leaves every other first token, `</s>`
+# among them, nearly impossible, so the runners-up that finish can include the empty one. It
+# ranks last or near it, and the best hypothesis is the one a translation uses. (The list above
+# may or may not show one: a machine that rounds differently trains a slightly different copier.)
 #
-# Many toolkits stop a sentence as soon as `beam` hypotheses have finished (fairseq does, and
-# Hugging Face with `early_stopping=True`). That rule can cost a sentence its best hypothesis:
-# when runners-up ending in `</s>` fill those places while the best one, far more probable, is
-# still being written, the best is never finished and a shorter output wins, so beam search
-# under that rule can copy fewer sequences than greedy search. The bound above cannot lose the
-# best that way, and still stops a sentence as soon as its outcome is settled.
+# The same rule can cost a sentence its best hypothesis. The search stops a sentence once `beam`
+# hypotheses have finished, so when runners-up ending in `</s>` fill those places while the best
+# one, far more probable, is still being written, the best is never finished and a shorter copy
+# wins. Greedy search has no runners-up and cannot lose its one hypothesis that way, which is how
+# beam search can copy fewer sequences than greedy search above.
+#
+# fairseq stops the same way, and so does Hugging Face with `early_stopping=True`. The exact rule
+# would go on while a live hypothesis could still win: its log-probability so far over the length
+# penalty at the length limit, the most it could score, above the best finished score. It was
+# tried on the trained Multi30k model ("stopping rule" rows of [the experiments](experiments.md)),
+# and it finds what the penalty rewards: with $\alpha$ 1.4 some sentences' best-scoring output is a
+# phrase repeated until the length limit cuts it, which this rule never reaches, and at a smaller
+# $\alpha$, where it does not, it scores the same at twice the decoding time.
 #
 # The length penalty is where this project departs from the paper: `decode.alpha` was tuned on
 # Multi30k's validation set, and values well above the paper's 0.6 won ("decode α" rows of
@@ -929,7 +931,8 @@ for section, changes in yaml.safe_load(open("params/annotated_transformer.yaml")
             print(f"  {section}.{key}: {default[section][key]} -> {value}")
 ladder = json.load(open("reports/ladder.json"))
 theirs, ours = (ladder["metrics"]["bleu"]["systems"][end] for end in (0, -1))
-print(f"test2016 BLEU: annotated_transformer {theirs['score']} {theirs['ci95']}, default {ours['score']} {ours['ci95']}")
+print(f"test2016 BLEU: annotated_transformer {theirs['score']} {theirs['ci95']}")
+print(f"               default {ours['score']} {ours['ci95']}")
 
 # %% [markdown]
 # Both are single runs of one seed; the README says how far a seed alone moves a score.

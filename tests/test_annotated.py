@@ -134,9 +134,7 @@ def shown_parts() -> dict[str, object]:
     parts += [DecoderLayer.forward, make_model, Transformer.forward, rate, smoothed_cross_entropy, Loss.forward]
     parts += [Loss.rdrop, search.greedy, search.one_path, search.beam_search]
     named = {part.__qualname__: part for part in parts}
-    return named | {
-        f"search.{name}": getattr(search, name) for name in ("_beam", "_finish_eos", "_keep_best", "_finish_long")
-    }
+    return named | {f"search.{name}": getattr(search, name) for name in ("_beam", "_finish_eos", "_finish_long")}
 
 
 @pytest.mark.parametrize("name", shown_parts())

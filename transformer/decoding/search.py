@@ -142,7 +142,7 @@ def beam_search(
     """The best hypothesis of each sentence by log P / lp(length); beam 1 is greedy."""
     if beam == 1:
         return greedy(model, src, max_len, bos, eos)
-    return [hyps[0][2] for hyps in _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos, nbest=1)]
+    return [max(hyps, key=lambda h: h[0])[2] for hyps in _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos)]
 
 
 def beam_search_nbest(
@@ -153,21 +153,18 @@ def beam_search_nbest(
         raise ValueError(f"nbest = {nbest} must be between 1 and the beam size ({beam})")
     if beam == 1:
         return [[h] for h in one_path(model, src, max_len, bos, eos, lambda log_probs: log_probs.argmax(-1))]
-    finished = _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos, nbest=nbest)
-    return [[Hypothesis(seq, raw) for _, raw, seq in hyps] for hyps in finished]
+    finished = _beam(model, src, beam, alpha, max_len, bos=bos, eos=eos)
+    return [[Hypothesis(seq, raw) for _, raw, seq in sorted(hyps, key=lambda h: -h[0])[:nbest]] for hyps in finished]
 
 
 @torch.no_grad()
 def _beam(
-    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, *, bos: int, eos: int, nbest: int
+    model, src: torch.Tensor, beam: int, alpha: float, max_len: torch.Tensor, *, bos: int, eos: int
 ) -> list[list[tuple]]:
     """Batched beam search. Each step expands every live hypothesis, keeps the 2K best
     continuations per sentence, finishes those ending in EOS among the top K, and carries
-    the K best others on. A sentence is done once no live hypothesis can beat its `nbest`-th
-    best finished one, or at its max length. Returns each sentence's `nbest` best finished
-    (log P / lp(length), log P, tokens), best first."""
-    if alpha < 0:
-        raise ValueError(f"alpha = {alpha}: the length penalty's exponent must be >= 0")  # lp must rise with length
+    the K best others on. A sentence is done with K finished hypotheses or at its max
+    length. Returns each sentence's finished (log P / lp(length), log P, tokens), in finishing order."""
     B, K, device = src.size(0), beam, src.device
     state = model.start(src, beam=K)  # encoded once, K rows per sentence
     scores = torch.full((B, K), float("-inf"), device=device)
@@ -182,14 +179,14 @@ def _beam(
         top, index = (scores[:, :, None] + log_probs).view(n, K * V).topk(min(2 * K, K * V), dim=1)  # (n, 2K)
         origin, token = index // V, index % V
         is_eos = token == eos
-        _finish_eos(finished, alive, tokens, top=top, origin=origin, is_eos=is_eos, K=K, t=t, alpha=alpha, nbest=nbest)
+        _finish_eos(finished, alive, tokens, top=top, origin=origin, is_eos=is_eos, K=K, t=t, alpha=alpha)
         # The K best continuations that do not end here; EOS candidates sort last.
         rank = torch.arange(top.size(1), device=device).expand_as(top) + is_eos * top.size(1)
         pick = rank.argsort(dim=1)[:, :K]  # (n, K)
         scores, origin, token = top.gather(1, pick), origin.gather(1, pick), token.gather(1, pick)
         rows = (torch.arange(n, device=device)[:, None] * K + origin).flatten()
         tokens = torch.cat([tokens[rows], token.flatten()[:, None]], 1)
-        done = _finish_long(finished, alive, tokens, scores=scores, max_len=max_len, K=K, t=t, alpha=alpha, nbest=nbest)
+        done = _finish_long(finished, alive, tokens, scores=scores, max_len=max_len, K=K, t=t, alpha=alpha)
         keep = (~done).nonzero().flatten()
         if len(keep) == 0:
             break
@@ -199,36 +196,22 @@ def _beam(
     return finished
 
 
-def _keep_best(hyps: list[tuple], found: tuple, nbest: int) -> None:
-    """Adds a finished hypothesis to a sentence's, keeping the `nbest` best by normalized score, best first
-    (of equals, the first to finish)."""
-    hyps.append(found)
-    hyps.sort(key=lambda h: -h[0])
-    del hyps[nbest:]
-
-
-def _finish_eos(finished, alive, tokens, *, top, origin, is_eos, K, t, alpha, nbest) -> None:
+def _finish_eos(finished, alive, tokens, *, top, origin, is_eos, K, t, alpha) -> None:
     """Hypotheses whose EOS ranks among the top K of their sentence are complete."""
     for i, j in (is_eos[:, :K] & torch.isfinite(top[:, :K])).nonzero().tolist():
-        seq = tokens[i * K + origin[i, j]].tolist()[1:]
-        _keep_best(finished[alive[i]], (float(top[i, j]) / length_penalty(t, alpha), float(top[i, j]), seq), nbest)
+        hyps = finished[alive[i]]
+        if len(hyps) < K:
+            seq = tokens[i * K + origin[i, j]].tolist()[1:]
+            hyps.append((float(top[i, j]) / length_penalty(t, alpha), float(top[i, j]), seq))
 
 
-def _finish_long(finished, alive, tokens, *, scores, max_len, K, t, alpha, nbest) -> torch.Tensor:
-    """Marks sentences done: those whose live hypotheses cannot beat their `nbest`-th best finished one, and
-    those at their max length, whose live hypotheses are finished as they are. A log-probability only falls
-    as a hypothesis grows, and it will end at a length in (t, max length], so the best a live one can score
-    is its log-probability now over the largest lp it can reach there: lp's at the limit, as alpha >= 0."""
-    limit = max_len[alive]
-    best_possible = scores.max(1).values / length_penalty(limit, alpha)  # (n,)
-    kept = [finished[s] for s in alive.tolist()]
-    to_beat = [hyps[nbest - 1][0] if len(hyps) >= nbest else float("-inf") for hyps in kept]
-    done = best_possible <= torch.tensor(to_beat, device=alive.device)
-    at_limit = (limit <= t) & ~done
+def _finish_long(finished, alive, tokens, *, scores, max_len, K, t, alpha) -> torch.Tensor:
+    """Marks sentences done: K finished hypotheses, or max length reached (live ones are finished as they are)."""
+    done = torch.tensor([len(finished[s]) >= K for s in alive.tolist()], device=alive.device)
+    at_limit = (max_len[alive] <= t) & ~done
     for i in at_limit.nonzero().flatten().tolist():
         for j in range(K):
             if torch.isfinite(scores[i, j]):
                 raw = float(scores[i, j])
-                found = (raw / length_penalty(t, alpha), raw, tokens[i * K + j].tolist()[1:])
-                _keep_best(finished[alive[i]], found, nbest)
+                finished[alive[i]].append((raw / length_penalty(t, alpha), raw, tokens[i * K + j].tolist()[1:]))
     return done | at_limit

@@ -318,3 +318,19 @@ def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(t
     assert node1.returncode == 0, out.decode()[-3000:]
     assert json.loads((repo / "reports/train/train.json").read_text())["steps"] > 0
     assert not (other / "data/checkpoints").exists()  # rank 0 alone writes
+
+
+def test_the_pages_give_the_committed_runs_time_and_memory():
+    """"About half an hour and 2 GiB" is the committed reference run's: its pipeline wall time, from the
+    report's section of the default recipe, and its training's peak memory, from reports/train/train.json."""
+    from transformer.config import load_params
+    from transformer.evaluation.report import key
+
+    section = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8").split(
+        f"<!-- begin {key(load_params(ROOT / 'params.yaml'))} -->"
+    )[1]
+    minutes = round(float(re.search(r"\| \*\*total\*\* \| \*\*([\d.]+) min\*\* \|", section)[1]))
+    peak = json.loads((ROOT / "reports/train/train.json").read_text(encoding="utf-8"))["peak_rss_mb"]["rank_0"]
+    said = f"in about {minutes} minutes, its training in {peak / 1024:.1f} GiB of memory"
+    for page in (ROOT / "README.md", ROOT / "docs/index.md"):
+        assert said in re.sub(r"\s+", " ", page.read_text(encoding="utf-8")), (page.name, said)

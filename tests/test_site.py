@@ -48,7 +48,7 @@ def test_the_home_page_shows_the_readmes_results_and_the_site_the_reproduction_r
     rows = readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines()
     cells = [line.strip("|").split("|") for line in rows if line.startswith("| multi30k")]
     home = re.sub(r"\s+", " ", (site / "index.html").read_text())
-    assert len(cells) > 1
+    assert cells
     for row in cells:
         assert "<td>" + "</td> <td>".join(cell.strip() for cell in row) + "</td>" in home, row
     report = (site / "reproduction" / "index.html").read_text()

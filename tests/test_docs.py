@@ -321,14 +321,16 @@ def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(t
 
 
 def test_the_pages_give_the_committed_runs_time_and_memory():
-    """"About half an hour and 2 GiB" is the committed reference run's: its pipeline wall time, from the
+    """ "About half an hour and 2 GiB" is the committed reference run's: its pipeline wall time, from the
     report's section of the default recipe, and its training's peak memory, from reports/train/train.json."""
     from transformer.config import load_params
     from transformer.evaluation.report import key
 
-    section = (ROOT / "reports/reproduction.md").read_text(encoding="utf-8").split(
-        f"<!-- begin {key(load_params(ROOT / 'params.yaml'))} -->"
-    )[1]
+    section = (
+        (ROOT / "reports/reproduction.md")
+        .read_text(encoding="utf-8")
+        .split(f"<!-- begin {key(load_params(ROOT / 'params.yaml'))} -->")[1]
+    )
     minutes = round(float(re.search(r"\| \*\*total\*\* \| \*\*([\d.]+) min\*\* \|", section)[1]))
     peak = json.loads((ROOT / "reports/train/train.json").read_text(encoding="utf-8"))["peak_rss_mb"]["rank_0"]
     said = f"in about {minutes} minutes, its training in {peak / 1024:.1f} GiB of memory"

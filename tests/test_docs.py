@@ -321,8 +321,8 @@ def test_the_multi_node_commands_of_the_scale_page_train_two_nodes_on_loopback(t
 
 
 def test_the_pages_give_the_committed_runs_time_and_memory():
-    """ "About half an hour and 2 GiB" is the committed reference run's: its pipeline wall time, from the
-    report's section of the default recipe, and its training's peak memory, from reports/train/train.json."""
+    """The time and memory the pages give are the committed reference run's: its pipeline wall time, from
+    the report's section of the default recipe, and its training's peak, from reports/train/train.json."""
     from transformer.config import load_params
     from transformer.evaluation.report import key
 

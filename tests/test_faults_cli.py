@@ -127,6 +127,10 @@ def _commands() -> dict[str, list[str]]:
             "translations",
             "--out",
             "reproduction.md",
+            "--references",
+            "reference",
+            "--verdict",
+            "verdict.json",
             "--no-track",
         ],
     }

@@ -311,7 +311,7 @@ def test_a_rerun_is_identical_to_the_reference_another_seed_is_judged_and_anothe
     low, high = found["diff_ci95"]
     assert low <= found["diff"] <= high and 0 <= found["p_bs"] <= 1
     assert (
-        f"Against the committed reference: {found['verdict']}: test2016 BLEU"
+        f"Against the committed reference: {found['verdict']}: {found['testset']} BLEU"
         in (repo / "reports/reproduction.md").read_text()
     )
     assert "reports/verdict.json" in run([DVC, "metrics", "show"], repo).stdout

@@ -877,7 +877,6 @@ for testset, scored in scores.items():
 
 # %%
 committed = json.loads((reference_dir(params) / RECORD).read_text())
-print(f"made on {committed['host_class']}")
 for row in committed["examples"]:
     print(f"line {row['line']}")
     print(f"  source       {row['source']}")

@@ -228,6 +228,29 @@ def test_non_utf8_source_names_file_and_line(mirror):
     assert "train.de:2" in mirror.refusal("not valid UTF-8")
 
 
+def test_one_tsv_file_gives_each_language_its_column(mirror):
+    tsv = "".join(f"{de}\t{en}\r\n" for de, en in zip(DE, EN)).encode()
+    mirror.add("train", "de", "train.tsv", tsv, format="tsv", column=1)
+    mirror.add("train", "en", "train.tsv", tsv, format="tsv", column=2)
+    assert mirror.download() == {"train.de": 3, "train.en": 3}
+    assert _lines(mirror.out / "train.de") == DE and _lines(mirror.out / "train.en") == EN
+
+
+def test_a_tsv_line_with_another_number_of_fields_names_the_file_and_line(mirror):
+    tsv = f"{DE[0]}\t{EN[0]}\n{DE[1]}\t{EN[1]}\tnote\n{DE[2]}\t{EN[2]}\n".encode()
+    mirror.add("train", "de", "train.tsv", tsv, format="tsv", column=1)
+    mirror.add("train", "en", "train.tsv", tsv, format="tsv", column=2)
+    message = mirror.refusal("3 tab-separated fields, where line 1 has 2")
+    assert message.startswith(f"{mirror.root / mirror.corpus / 'train.tsv'}:2: ")
+
+
+def test_a_tsv_column_beyond_the_fields_is_named(mirror):
+    tsv = f"{DE[0]}\t{EN[0]}\n".encode()
+    mirror.add("train", "de", "train.tsv", tsv, format="tsv", column=1)
+    mirror.add("train", "en", "train.tsv", tsv, format="tsv", column=3)
+    mirror.refusal("no column 3: the lines have 2 tab-separated fields")
+
+
 def test_archive_member_is_read(mirror):
     contents = {"corpus/train.de": "\n".join(DE).encode(), "corpus/train.en": "\n".join(EN).encode()}
     archive = _tar_gz([tarfile.TarInfo(name) for name in contents], contents)
@@ -334,6 +357,9 @@ def test_missing_language_in_a_split_is_named(mirror):
         ([{"url": f"{URL}/a.gz"}], "no 'sha256'"),
         ([{"url": f"{URL}/a.gz", "path": "a.gz", "sha256": None}], "exactly one of"),
         ([{"url": f"{URL}/a.gz", "sha256": None, "format": "xml"}], "format 'xml'"),
+        ([{"url": f"{URL}/a.tsv", "sha256": None, "format": "tsv"}], "names its `column`"),
+        ([{"url": f"{URL}/a.tsv", "sha256": None, "format": "tsv", "column": 0}], "an integer >= 1"),
+        ([{"url": f"{URL}/a.txt", "sha256": None, "column": 2}], "other formats none"),
         ([], "non-empty list"),
     ],
 )

@@ -24,7 +24,7 @@ from transformer.config import NAME
 from transformer.io import DataError, atomic_dir, sha256_file
 
 MIRROR_ENV = "TRANSFORMER_DATA_MIRROR"
-FORMATS = ("text", "tags", "sgm")
+FORMATS = ("text", "tags", "sgm", "tsv")  # tsv: one `column` (from 1) of tab-separated fields
 SELECTORS = ("keep_every", "drop_every")  # keep_every: n keeps lines n, 2n, ...; drop_every: n keeps the others
 MAX_BYTES = 4 << 30  # a source's size once decompressed: beyond, a decompression bomb or not the registered file
 MAX_ARCHIVE_BYTES = 16 << 30  # the same for a whole tar archive, read through to find a member
@@ -68,6 +68,9 @@ def _check_source(source: dict[str, Any], where: str, base: Path) -> None:
         raise DataError(f"{where}: source {source.get('url') or source.get('path')} has no 'sha256' key")
     if source.get("format", "text") not in FORMATS:
         raise DataError(f"{where}: format '{source['format']}' is not one of {', '.join(FORMATS)}")
+    tsv, column = source.get("format") == "tsv", source.get("column")
+    if tsv != ("column" in source) or tsv and (type(column) is not int or column < 1):
+        raise DataError(f"{where}: a source of format tsv names its `column`, an integer >= 1; other formats none")
     every = [k for k in SELECTORS if k in source]
     if len(every) > 1 or any(type(source[k]) is not int or source[k] < 2 for k in every):
         raise DataError(f"{where}: at most one of {', '.join(SELECTORS)}, an integer >= 2")
@@ -191,12 +194,30 @@ def _read_source(path: Path, source: dict[str, Any]) -> list[str]:
         lines = [_TAGS_KEPT.sub("", line) for line in lines if not any(tag in line for tag in _TAG_LINES)]
     elif fmt == "sgm":
         lines = [html.unescape(m.group(1)) for m in map(_SEG.search, lines) if m]
+    elif fmt == "tsv":
+        lines = _column(lines, source["column"], name)
     if "keep_every" in source:  # fairseq's awk 'NR % n == 0'
         lines = lines[source["keep_every"] - 1 :: source["keep_every"]]
     elif "drop_every" in source:
         n = source["drop_every"]
         lines = [line for i, line in enumerate(lines, 1) if i % n]
     return [line.strip() for line in lines]
+
+
+def _column(lines: list[str], column: int, name: str) -> list[str]:
+    """Field `column` (from 1) of each tab-separated line. Every line has as many fields as the first:
+    a tab inside a sentence, or a missing side, would otherwise shift a pair out of line unseen."""
+    out: list[str] = []
+    width = None
+    for number, line in enumerate(lines, 1):
+        fields = line.split("\t")
+        width = width or len(fields)
+        if len(fields) != width:
+            raise DataError(f"{name}:{number}: {len(fields)} tab-separated fields, where line 1 has {width}")
+        if column > width:
+            raise DataError(f"{name}:{number}: no column {column}: the lines have {width} tab-separated fields")
+        out.append(fields[column - 1])
+    return out
 
 
 def _gunzip(stream: gzip.GzipFile, name: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Stage tokenize: spaCy rule-based, reversible; empty and over-long pairs leave train only."""
+"""Stage tokenize: spaCy rule-based, reversible; the pairs params.tokenize filters out leave train only."""
 
 from pathlib import Path
 
@@ -18,10 +18,13 @@ from transformer.stage import PARAMS, stage, workers
 @stage
 def main(params_path: Path, raw: Path, out: Path, report: Path) -> None:
     params = load_params(params_path)
-    d = params.data
+    d, t = params.data, params.tokenize
     splits = sorted({p.name.rsplit(".", 1)[0] for p in raw.glob(f"*.{d.src_lang}")})
     with atomic_dir(out) as tmp:
-        stats = tokenize_corpus(raw, tmp, splits, (d.src_lang, d.tgt_lang), "train", params.tokenize.max_len, workers())
+        langs = (d.src_lang, d.tgt_lang)
+        stats = tokenize_corpus(
+            raw, tmp, splits, langs, "train", t.max_len, workers(), max_ratio=t.max_ratio, dedupe=t.dedupe
+        )
     write_json(report, stats)
     click.echo(", ".join(f"{k}: {v}" for k, v in stats.items()), err=True)
 

@@ -69,6 +69,7 @@ def test_the_docs_have_one_row_per_param_saying_its_meaning():
         (config.in_range(1, 64), [1, 64], [0, 65]),
         (config.one_of("a", "b"), ["a", ["a", "b"]], ["c", ["a", "c"]]),
         (config.FILE_NAME, ["val", ["val", "test2016"]], ["../x", "-val", [".."]]),
+        (config.RATIO, [0, 1, 2.5], [0.5, -1, float("nan")]),
     ],
 )
 def test_each_rule_passes_what_it_allows_and_refuses_the_rest(rule, good, bad):
@@ -80,8 +81,12 @@ def test_the_choices_click_options_use_come_from_the_fields():
     assert "int8" in config.CHOICES["export.quantization"] and "bf16" in config.CHOICES["train.precision"]
 
 
-def test_keys_added_to_train_name_the_value_older_runs_trained_with():
-    assert config.ADDED_TRAIN_KEYS.items() >= {"pad_multiple": 1, "ddp_bf16_grads": False}.items()
+def test_keys_added_to_train_and_tokenize_name_the_value_older_runs_trained_with():
+    assert config.ADDED_KEYS["train"].items() >= {"pad_multiple": 1, "ddp_bf16_grads": False}.items()
+    assert config.ADDED_KEYS["tokenize"] == {"max_ratio": 0.0, "dedupe": False}
+    recorded = {"tokenize": {"max_len": 100}, "train": {"pad_multiple": 8}}
+    assert config.with_added_keys(recorded)["tokenize"] == {"max_len": 100, "max_ratio": 0.0, "dedupe": False}
+    assert config.with_added_keys(recorded)["train"]["pad_multiple"] == 8  # a recorded value is kept
 
 
 def test_a_range_error_names_the_key_value_and_range():

@@ -94,6 +94,15 @@ def test_a_checkpoint_written_before_ddp_bf16_grads_continues_as_the_fp32_all_re
     assert training_params(before["params"]) == fp32["params"]  # an ensemble member of such a checkpoint too
 
 
+def test_a_checkpoint_written_before_the_tokenize_filters_continues_as_the_unfiltered_run_it_was():
+    now = _identity()
+    before = now | {"params": now["params"] | {"tokenize": {"max_len": now["params"]["tokenize"]["max_len"]}}}
+    assert comparable(before) == comparable(now)
+    assert training_params(before["params"]) == now["params"]  # an ensemble member of such a checkpoint too
+    deduped = now | {"params": now["params"] | {"tokenize": now["params"]["tokenize"] | {"dedupe": True}}}
+    assert comparable(before) != comparable(deduped)  # other training pairs: another run
+
+
 def _checkpoint(identity, step, epoch, bleus=()):
     history = [{"step": 10 * (i + 1), "val_bleu": b} for i, b in enumerate(bleus)]
     return {"identity": identity, "step": step, "epoch": epoch, "history": {"epochs": history}}

@@ -136,6 +136,39 @@ def test_pair_exactly_max_len_tokens_is_kept(tmp_path):
     assert stats["train.pairs"] == 1 and stats["train.dropped_long"] == 0
 
 
+def test_the_ratio_and_duplicate_filters_drop_train_pairs_and_count_each_reason(tmp_path):
+    de = ["Ein Hund läuft.", "Ja.", "Ein Hund läuft.", "Ein Mann.", "Eine Katze schläft.", "Ein Mann."]
+    en = ["A dog runs.", "Yes, that is what the man said.", "A dog runs.", "A man.", "A cat sleeps.", "A man!"]
+    _write(tmp_path / "raw", "train", de, en)
+    _write(tmp_path / "raw", "val", de, en)
+    stats = tokenize_corpus(
+        tmp_path / "raw", tmp_path / "tok", ["train", "val"], ("de", "en"), "train", 100, max_ratio=3, dedupe=True
+    )
+    assert stats == {
+        "train.dropped_empty": 0,
+        "train.dropped_long": 0,
+        "train.dropped_ratio": 1,  # "Ja ." against 8 tokens
+        "train.dropped_duplicate": 1,  # the second "Ein Hund läuft." pair; "Ein Mann." has two translations
+        "train.pairs": 4,
+        "val.pairs": 6,
+    }
+    kept = [detokenize(line) for line in read_lines(tmp_path / "tok/train.en")]
+    assert kept == ["A dog runs.", "A man.", "A cat sleeps.", "A man!"]
+
+
+def test_a_pair_exactly_max_ratio_times_longer_is_kept(tmp_path):
+    _write(tmp_path / "raw", "train", ["a b", "a"], ["c d e f", "c d e"])
+    stats = tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100, max_ratio=2)
+    assert stats["train.pairs"] == 1 and stats["train.dropped_ratio"] == 1
+
+
+def test_the_filters_off_count_only_empty_and_long_pairs(tmp_path):
+    """Off, as the committed recipes have them, the report holds what it held before the filters existed."""
+    _write(tmp_path / "raw", "train", ["a", "a", "a"], ["b", "b", "b c d e f g"])
+    stats = tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
+    assert stats == {"train.dropped_empty": 0, "train.dropped_long": 0, "train.pairs": 3}
+
+
 def test_empty_file_is_a_data_error(tmp_path):
     _write(tmp_path / "raw", "val", [], [])
     with pytest.raises(DataError, match="empty file") as e:
@@ -148,6 +181,16 @@ def test_train_split_with_nothing_left_after_filtering_is_a_data_error(tmp_path)
     with pytest.raises(DataError, match="no training pair left") as e:
         tokenize_corpus(tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 100)
     assert str(e.value).startswith(f"{tmp_path / 'raw' / 'train.de'}: ")
+
+
+def test_nothing_left_after_filtering_says_what_each_filter_dropped(tmp_path):
+    _write(tmp_path / "raw", "train", ["a b c d", "a b"], ["e", "e"])
+    with pytest.raises(DataError, match="no training pair left") as e:
+        tokenize_corpus(
+            tmp_path / "raw", tmp_path / "tok", ["train"], ("de", "en"), "train", 3, max_ratio=1.5, dedupe=True
+        )
+    said = "(0 with an empty side, 1 longer than 3 tokens, 1 of a length ratio above 1.5, 0 repeating an earlier pair)"
+    assert str(e.value).endswith(said)
 
 
 def test_non_utf8_input_names_file_and_line(tmp_path):

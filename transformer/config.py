@@ -62,6 +62,7 @@ def matching(pattern: re.Pattern, why: str, shown: str) -> Rule:
 POSITIVE = Rule(lambda v: v > 0, "must be > 0", "> 0")  # also refuses NaN
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0", "≥ 0")
 FRACTION = in_range(0, 1, "[)")
+RATIO = Rule(lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1", "0 (off) or ≥ 1")  # also refuses NaN
 MAX_LAYERS = 64  # model.N and model.decoder_N, also bounding what a model file may ask us to build
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name: no separator, no '..', no option
 FILE_NAME = matching(
@@ -76,8 +77,9 @@ METRICS = {"bleu": "BLEU", "bleu_tok_lc": "BLEU tok-lc", "chrf": "chrF2", "ter":
 
 def param(meaning: str, *rules: Rule, older_runs: Any = dataclasses.MISSING) -> Any:
     """A params.yaml key: its one-line meaning and the rules its value must pass. `older_runs`, for
-    a train key added after checkpoints were first written, is the value that trains as those
-    checkpoints' runs did, so a run written before the key resumes, or joins an ensemble, under it."""
+    a key that trains (TRAIN_SECTIONS) added after checkpoints were first written, is the value that
+    trains as those checkpoints' runs did, so a run written before the key resumes, or joins an
+    ensemble, under it."""
     return dataclasses.field(metadata={"meaning": meaning, "rules": rules, "older_runs": older_runs})
 
 
@@ -93,6 +95,14 @@ class DataConfig:
 @dataclass(frozen=True)
 class TokenizeConfig:
     max_len: int = param("training pairs with a side longer than this many tokens are dropped", POSITIVE)
+    max_ratio: float = param(
+        "training pairs whose longer side has more than this many times the tokens of the shorter are dropped; 0: off",
+        RATIO,
+        older_runs=0.0,
+    )
+    dedupe: bool = param(
+        "`true`: a training pair equal, token for token, to an earlier one is dropped", older_runs=False
+    )
 
 
 @dataclass(frozen=True)
@@ -280,12 +290,15 @@ CHOICES = {  # "section.key": the values it may take, for click options that tak
     for rule in f.metadata["rules"]
     if rule.choices
 }
-# train keys added since checkpoints were first written, with the value that trains as those
-# checkpoints' runs did (param's older_runs).
-ADDED_TRAIN_KEYS = {
-    f.name: f.metadata["older_runs"]
-    for f in dataclasses.fields(TrainConfig)
-    if f.metadata["older_runs"] is not dataclasses.MISSING
+# section -> its keys added since checkpoints were first written, each with the value that trains
+# as those checkpoints' runs did (param's older_runs).
+ADDED_KEYS = {
+    s: {
+        f.name: f.metadata["older_runs"]
+        for f in dataclasses.fields(_SECTION_TYPES[s])
+        if f.metadata["older_runs"] is not dataclasses.MISSING
+    }
+    for s in SECTIONS
 }
 
 
@@ -419,12 +432,18 @@ def model_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
+def with_added_keys(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Sections of params as a run recorded them, each key of ADDED_KEYS the record lacks at the
+    value it had there: a run recorded before a key existed trained as that value does."""
+    return {s: ADDED_KEYS.get(s, {}) | keys for s, keys in params.items()}
+
+
 def training_params(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The params (as Params.to_dict() gives them) that a resumed run, or each member of an ensemble,
     must share: TRAIN_SECTIONS without train.members, since training sees one member at a time (and
-    a file written before ensembles lacks it); a key of ADDED_TRAIN_KEYS that a file lacks has its value there."""
-    train = ADDED_TRAIN_KEYS | {k: v for k, v in params["train"].items() if k != "members"}
-    return {s: params[s] for s in TRAIN_SECTIONS} | {"train": train}
+    a file written before ensembles lacks it); a key of ADDED_KEYS that a file lacks has its value there."""
+    sections = with_added_keys({s: params[s] for s in TRAIN_SECTIONS})
+    return sections | {"train": {k: v for k, v in sections["train"].items() if k != "members"}}
 
 
 def flatten(params: Params) -> dict[str, Any]:

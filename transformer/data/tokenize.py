@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,13 @@ def tokenize_corpus(
     train_split: str,
     max_len: int,
     workers: int = 1,
+    *,
+    max_ratio: float = 0.0,
+    dedupe: bool = False,
 ) -> dict[str, int]:
-    """Tokenizes every split into out_dir; filters empty and over-long pairs from train only. `workers`
-    processes tokenize chunks of lines; the output is the same for any number."""
+    """Tokenizes every split into out_dir; filters train only (see _filter), counting each reason a
+    pair left it as `<train_split>.dropped_<reason>`. `workers` processes tokenize chunks of lines;
+    the output is the same for any number."""
     tokenizers = [Tokenizer(lang) for lang in langs]  # an unknown language fails here, in one process
     stats: dict[str, int] = {}
     with _pool(langs, workers) as pool:
@@ -78,7 +83,7 @@ def tokenize_corpus(
             paths = [raw_dir / f"{split}.{lang}" for lang in langs]
             src, tgt = _tokenized_pair(paths, tokenizers, pool, split)
             if split == train_split:
-                src, tgt, dropped = _filter(src, tgt, max_len, paths[0])
+                src, tgt, dropped = _filter(src, tgt, Filters(max_len, max_ratio, dedupe), paths[0])
                 stats.update({f"{split}.dropped_{k}": v for k, v in dropped.items()})
             stats[f"{split}.pairs"] = len(src)
             write_lines(out_dir / f"{split}.{langs[0]}", src)
@@ -137,19 +142,57 @@ def _tokenize_chunk(task: tuple[str, list[str]]) -> list[str]:
     return list(_tokenizers[lang].pipe(lines))
 
 
-def _filter(src: list[str], tgt: list[str], max_len: int, where: Path) -> tuple[list[str], list[str], dict[str, int]]:
-    keep_src, keep_tgt, dropped = [], [], {"empty": 0, "long": 0}
+@dataclass(frozen=True)
+class Filters:
+    """What drops a training pair besides an empty side: a side longer than `max_len` tokens; a longer
+    side of more than `max_ratio` times the shorter side's tokens (0: off), the usual look of a sentence
+    paired with the wrong translation; with `dedupe`, being the same pair, token for token, as an
+    earlier one."""
+
+    max_len: int
+    max_ratio: float
+    dedupe: bool
+
+    def reasons(self) -> dict[str, str]:
+        """Each reason a pair may be dropped for (a pair with an empty side always is), worded for an error."""
+        on = {"ratio": self.max_ratio > 0, "duplicate": self.dedupe}
+        words = {
+            "empty": "with an empty side",
+            "long": f"longer than {self.max_len} tokens",
+            "ratio": f"of a length ratio above {self.max_ratio}",
+            "duplicate": "repeating an earlier pair",
+        }
+        return {reason: said for reason, said in words.items() if on.get(reason, True)}
+
+    def reason(self, src: str, tgt: str) -> str | None:
+        """Why the tokenized pair is dropped, before duplicates are looked for; None if it is not."""
+        if not src or not tgt:
+            return "empty"
+        shorter, longer = sorted((len(src.split()), len(tgt.split())))
+        if longer > self.max_len:
+            return "long"
+        if self.max_ratio and longer > self.max_ratio * shorter:
+            return "ratio"
+        return None
+
+
+def _filter(
+    src: list[str], tgt: list[str], filters: Filters, where: Path
+) -> tuple[list[str], list[str], dict[str, int]]:
+    """The pairs `filters` keep, in their order, and how many each reason dropped (the first that applies)."""
+    keep_src, keep_tgt, seen = [], [], set()
+    dropped = dict.fromkeys(filters.reasons(), 0)
     for s, t in zip(src, tgt):
-        if not s or not t:
-            dropped["empty"] += 1
-        elif max(len(s.split()), len(t.split())) > max_len:
-            dropped["long"] += 1
+        reason = filters.reason(s, t)
+        if reason is None and filters.dedupe:
+            reason = "duplicate" if (s, t) in seen else None
+            seen.add((s, t))
+        if reason:
+            dropped[reason] += 1
         else:
             keep_src.append(s)
             keep_tgt.append(t)
     if not keep_src:
-        raise DataError(
-            f"{where}: no training pair left after filtering ({dropped['empty']} empty, "
-            f"{dropped['long']} longer than {max_len} tokens)"
-        )
+        counts = ", ".join(f"{dropped[reason]} {said}" for reason, said in filters.reasons().items())
+        raise DataError(f"{where}: no training pair left after filtering ({counts})")
     return keep_src, keep_tgt, dropped

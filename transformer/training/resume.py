@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from transformer import checkpoints
-from transformer.config import ADDED_TRAIN_KEYS
+from transformer.config import with_added_keys
 from transformer.training.distributed import Dist, broadcast, check_same_run, rank_seed
 from transformer.training.schedule import rate
 
@@ -62,10 +62,8 @@ class Progress:
 def comparable(identity: dict[str, Any]) -> dict[str, Any]:
     """What two runs must share for one to continue the other: the identity without bookkeeping and
     length, and the micro-batches an update sums in place of their split."""
-    params = identity.get("params", {})
-    train = ADDED_TRAIN_KEYS | {
-        k: v for k, v in params.get("train", {}).items() if k not in BOOKKEEPING + LENGTH + SPLIT
-    }
+    params = with_added_keys(identity.get("params", {}))
+    train = {k: v for k, v in params.get("train", {}).items() if k not in BOOKKEEPING + LENGTH + SPLIT}
     train["micro_batches_per_update"] = math.prod(params.get("train", {}).get(k, 1) for k in SPLIT)
     return {"params": {**params, "train": train}, "data": identity.get("data")}
 

@@ -9,11 +9,15 @@ import os
 import re
 import subprocess
 import sys
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
+import click
 import pytest
 from conftest import ROOT
+
+from transformer.cli import main
 
 pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
 
@@ -47,7 +51,7 @@ def test_the_home_page_shows_the_readmes_results_and_the_site_the_reproduction_r
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     rows = readme.split("<!-- results -->")[1].split("<!-- /results -->")[0].splitlines()
     cells = [line.strip("|").split("|") for line in rows if line.startswith("| multi30k")]
-    home = re.sub(r"\s+", " ", (site / "index.html").read_text())
+    home = re.sub(r"<td [^>]*>", "<td>", re.sub(r"\s+", " ", (site / "index.html").read_text()))
     assert cells
     for row in cells:
         assert "<td>" + "</td> <td>".join(cell.strip() for cell in row) + "</td>" in home, row
@@ -121,16 +125,47 @@ def test_no_code_in_a_table_shows_the_backslash_that_escapes_a_pipe_for_github(s
         assert not shown, f"{page.relative_to(site)}: {shown[0]}"
 
 
-def test_the_annotated_pages_code_and_output_wrap_at_the_column(site):
-    """Its lines are wider than the column; they wrap (extra.css) rather than scroll out of sight."""
-    html = (site / "annotated" / "index.html").read_text()
-    css = re.search(r'<link[^>]+href="([^"]*extra\.css)"', html)
-    assert css, "the annotated page does not link extra.css"
-    rules = (site / "annotated" / css.group(1)).resolve().read_text()
-    rule = re.search(r"\.wrap-code pre > code\s*\{([^}]*)\}", rules)
+def _css(site: Path) -> str:
+    return (site / "extra.css").read_text()
+
+
+def test_every_pages_code_and_output_wrap_at_the_column(site):
+    """Lines wider than the column wrap (extra.css) rather than scroll out of sight, on every page."""
+    rule = re.search(r"\.wrap-code pre > code\s*\{([^}]*)\}", _css(site))
     assert rule and "white-space: pre-wrap" in rule.group(1) and "overflow-wrap: anywhere" in rule.group(1)
-    content = html[html.index('<div class="wrap-code">') :]
-    assert content.count("<pre") == html.count("<pre") > 0, "a code block outside the wrapped part"
+    for page in site.rglob("*.html"):
+        html = page.read_text()
+        if '<div class="md-content"' not in html:
+            continue  # a redirect or the search's page: no content of ours
+        assert re.search(r'<link[^>]+href="[^"]*extra\.css"', html), f"{page.relative_to(site)} lacks extra.css"
+        content = html[html.index('<div class="wrap-code">') :] if '<div class="wrap-code">' in html else ""
+        assert content.count("<pre") == html.count("<pre"), f"{page.relative_to(site)}: code outside the wrapped part"
+
+
+def test_on_a_phone_a_tables_cells_stack_each_under_its_header(site):
+    """At 400 px a ten-column table shows two or three columns and scrolls the rest off the screen: each
+    body cell carries its header, which extra.css shows beside the cell once the row is stacked."""
+    css = _css(site)
+    phone = css[css.index("@media screen and (max-width: 44.9375em)") :]
+    assert "display: block" in phone and "content: attr(data-label)" in phone
+    tables = 0
+    for page in site.rglob("*.html"):
+        for table in re.findall(r"<table>.*?</table>", page.read_text(), re.DOTALL):
+            tables += 1
+            head, body = table.split("</thead>")
+            labels = [re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<th[^>]*>(.*?)</th>", head)]
+            for row in re.findall(r"<tr>(.*?)</tr>", body, re.DOTALL):
+                cells = re.findall(r'<td data-label="([^"]*)"', row)
+                assert [unescape(c) for c in cells] == labels[: len(cells)] and row.count("<td") == len(cells), (
+                    f"{page.relative_to(site)}: a row's cells do not name their headers: {row[:200]}"
+                )
+    assert tables > 20
+
+
+def test_no_page_links_a_server_on_the_readers_own_machine(site):
+    """`make docs` serves the site on a loopback address: named on a page, never a link that leads nowhere."""
+    for page in site.rglob("*.html"):
+        assert not re.search(r'href="https?://(127\.0\.0\.1|localhost)', page.read_text()), page.relative_to(site)
 
 
 def test_the_joiner_has_a_glyph_in_the_sites_own_font(site):
@@ -146,3 +181,43 @@ def test_the_joiner_has_a_glyph_in_the_sites_own_font(site):
     assert ord(JOINER) in TTFont(site / font).getBestCmap()
     family = re.search(r'font-family: ("[^"]+")', face).group(1)
     assert f"--md-text-font: {family}" in css and f"--md-code-font: {family}" in css
+
+
+def _cli():
+    """docs/tools/cli.py, which writes the command reference."""
+    sys.path.insert(0, str(ROOT / "docs/tools"))
+    try:
+        import cli
+    finally:
+        sys.path.pop(0)
+    return cli
+
+
+def _commands() -> dict[str, click.Command]:
+    """Every command the reference documents, by the heading it has there."""
+    group = click.Context(main, info_name="transformer")
+    commands = {f"transformer {name}": main.get_command(group, name) for name in main.list_commands(group)}
+    for name in _cli()._pipeline_order(ROOT):
+        commands[f"python stages/{name}.py"] = _cli()._stage_command(ROOT / "stages" / f"{name}.py")
+    return commands
+
+
+def test_the_command_reference_shows_every_option_of_every_command(site):
+    text = unescape(re.sub(r"<[^>]+>", "", (site / "cli" / "index.html").read_text()))
+    text = re.sub(r"\s+", " ", text)
+    commands = _commands()
+    assert len(commands) >= 17  # seven `transformer` commands, ten stage scripts
+    for title, command in commands.items():
+        section = text.split(f"{title}¶", 1)[1].split("¶", 1)[0]  # up to the next heading's permalink
+        for option in (param for param in command.params if isinstance(param, click.Option)):
+            assert option.opts[0] in section, f"the command reference lacks {title} {option.opts[0]}"
+            if option.help:
+                assert " ".join(option.help.split()[:4]) in section, f"{title} {option.opts[0]} without its help"
+
+
+def test_an_option_a_command_gains_is_on_the_reference(monkeypatch):
+    translate = main.commands["translate"]
+    new = click.Option(["--brevity-weight"], type=float, help="how much shorter output is preferred")
+    monkeypatch.setattr(translate, "params", [*translate.params, new])
+    section = _cli().page(ROOT).split("### `transformer translate`")[1].split("###")[0]
+    assert "- `--brevity-weight FLOAT`: how much shorter output is preferred" in section

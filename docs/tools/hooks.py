@@ -12,8 +12,15 @@ Figures: the pipeline's committed figures live in reports/figures/, outside docs
 as ../reports/figures/NAME.png (which is right on a repository browser too), and the site carries a
 copy of each at reports/figures/NAME.png.
 
-Wrapped code: the annotated model's code and output are read beside the text, so their long lines
-wrap at the column (extra.css's .wrap-code) instead of scrolling out of sight.
+Wrapped code: code and output are read beside the text, so on every page their long lines wrap at
+the column (extra.css's .wrap-code) instead of scrolling out of sight, on a phone as on a desktop.
+
+Tables on a phone: each cell carries its column's header (data-label), so that on a narrow screen
+extra.css can stack a row's cells, each under its header, instead of scrolling the row's scores off
+the screen.
+
+The command reference: cli.md is written from the click commands each time the site is built
+(docs/tools/cli.py), so an option a command gains is on the page at once.
 
 The joiner: the tokenizer's mark ￭ (U+FFED) is missing from most Latin fonts, which draw a box in
 its place, so the site carries a font of that one glyph, drawn here, that extra.css puts first in
@@ -24,6 +31,7 @@ from __future__ import annotations
 import html
 import io
 import re
+import sys
 from pathlib import Path
 
 from latex2mathml.converter import convert
@@ -33,8 +41,8 @@ FIGURES = Path("reports/figures")  # from the repository root, mkdocs.yml's fold
 REPORT = Path("reports/reproduction.md")
 README = Path("README.md")
 RESULTS = ("<!-- results -->", "<!-- /results -->")  # around the README's results table
-WRAPPED_CODE = {"annotated.md"}
 JOINER_FONT = "joiner.ttf"  # extra.css's @font-face names it
+_TABLE = re.compile(r"<table>.*?</table>", re.DOTALL)
 _MATH = re.compile(r'<(span|div) class="arithmatex">\s*\\([(\[])(.*?)\\[)\]]\s*</\1>', re.DOTALL)
 
 
@@ -44,10 +52,21 @@ def _mathml(match: re.Match) -> str:
 
 
 def on_page_content(html_text: str, page, **_) -> str:
-    html_text = _MATH.sub(_mathml, html_text)
-    if page.file.src_uri in WRAPPED_CODE:
-        html_text = f'<div class="wrap-code">\n{html_text}\n</div>'
-    return html_text
+    html_text = _TABLE.sub(_labelled_cells, _MATH.sub(_mathml, html_text))
+    return f'<div class="wrap-code">\n{html_text}\n</div>'
+
+
+def _labelled_cells(table: re.Match) -> str:
+    """A table whose every body cell names its column's header in data-label."""
+    head, _, body = table.group(0).partition("</thead>")
+    labels = [html.escape(re.sub(r"<[^>]+>", "", cell).strip()) for cell in re.findall(r"<th[^>]*>(.*?)</th>", head)]
+    rows = body.split("<tr>")
+    for i, row in enumerate(rows[1:], start=1):
+        cells = row.split("<td")
+        rows[i] = cells[0] + "".join(
+            f'<td data-label="{label}"{rest}' for label, rest in zip(labels + [""] * len(cells), cells[1:])
+        )
+    return head + "</thead>" + "<tr>".join(rows)
 
 
 def on_page_markdown(markdown: str, config, **_) -> str:
@@ -85,7 +104,17 @@ def on_files(files: Files, config) -> Files:
         site = (config["docs_dir"], config["site_dir"], config["use_directory_urls"])
         files.append(File(f"../{uri}", *site, dest_uri=uri, inclusion=InclusionLevel.INCLUDED))
     files.append(File.generated(config, JOINER_FONT, content=_joiner_font()))
+    files.append(File.generated(config, "cli.md", content=_cli_page(docs.parent)))
     return files
+
+
+def _cli_page(root: Path) -> str:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from cli import page
+    finally:
+        sys.path.pop(0)
+    return page(root)
 
 
 def _joiner_font() -> bytes:

@@ -10,6 +10,7 @@ import io
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import click
@@ -336,3 +337,15 @@ def test_the_pages_give_the_committed_runs_time_and_memory():
     said = f"in about {minutes} minutes, its training in {peak / 1024:.1f} GiB of memory"
     for page in (ROOT / "README.md", ROOT / "docs/index.md"):
         assert said in re.sub(r"\s+", " ", page.read_text(encoding="utf-8")), (page.name, said)
+
+
+def test_the_licence_the_citation_and_the_changelog_name_one_licence_and_one_version():
+    """A company reads the licence in pyproject's metadata, a citer the version in CITATION.cff, a user the
+    changelog: each must say what the others do."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    assert project["license"] == citation["license"] == "Apache-2.0"
+    assert "Apache License\n" in (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert citation["version"] == project["version"]
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert f"\n## {project['version']}" in changelog and "\n## Unreleased" in changelog

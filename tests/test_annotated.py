@@ -106,10 +106,11 @@ def test_a_failing_cell_stops_the_run_and_is_named(tmp_path):
 def test_a_printed_listing_becomes_a_link_to_its_lines_above_them_as_python():
     lines = (ROOT / "transformer" / "training" / "schedule.py").read_text().splitlines()
     printed = "\n".join(["before", "# transformer/training/schedule.py, lines 2-3", *lines[1:3], "", "after"])
-    page = "\n".join(_printout(printed, "https://example.org/repo/blob/main"))
+    page = "\n".join(_printout(printed, "https://example.org/repo/blob"))
     listing = LISTING.search(page)
     assert listing and listing["code"] == "\n".join(lines[1:3])
-    assert listing["url"] == "https://example.org/repo/blob/main/transformer/training/schedule.py#L2-L3"
+    changed = _git("log", "-1", "--format=%H", "--", "transformer/training/schedule.py").strip()
+    assert listing["url"] == f"https://example.org/repo/blob/{changed}/transformer/training/schedule.py#L2-L3"
     assert page.index("before") < listing.start() and listing.end() < page.index("after")
 
 
@@ -155,7 +156,26 @@ def test_the_page_prints_each_part_from_the_package_as_it_is_today_under_a_link_
     last = first + len(lines) - 1
     repository = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"].rstrip("/")
     assert (listing["path"], int(listing["first"]), int(listing["last"])) == (path, first, last)
-    assert listing["url"] == f"{repository}/blob/main/{path}#L{first}-L{last}", f"{name}'s link points elsewhere"
+    link = re.fullmatch(
+        rf"{re.escape(repository)}/blob/(?P<commit>[0-9a-f]{{40}})/{path}#L{first}-L{last}", listing["url"]
+    )
+    assert link, f"{name}'s link is not pinned to a commit's lines: {listing['url']}"
+    if _in_history(link["commit"]):  # a shallow clone may lack it; the lines are then checked against today's file
+        pinned = _git("show", f"{link['commit']}:{path}").splitlines()[first - 1 : last]
+        assert pinned == lines_of(listing), f"{name}'s link names a commit whose lines differ from the listing"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def _in_history(commit: str) -> bool:
+    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
+    return found.returncode == 0 or _git("rev-parse", "--is-shallow-repository").strip() != "true"
+
+
+def lines_of(listing: re.Match) -> list[str]:
+    return listing["code"].splitlines()
 
 
 def test_the_page_prints_the_ladders_scores_of_the_annotated_transformers_recipe_and_the_default():

@@ -4,7 +4,8 @@ code cell marked `# %% [folded] TITLE` shows its code folded under TITLE, for co
 of the page (drawing a diagram), which a reader opens only if curious.
 A printout of a repository file's lines under the header `# FILE, lines A-B` (the page's `show`) is
 written as that file's source: a link to those lines on the repository (mkdocs.yml's `repo_url`)
-above them as Python.
+above them as Python. The link names the last commit that changed the file, so it shows these lines
+however the file changes later; a shown file must therefore be committed before the page is rendered.
 
     python docs/tools/render.py                      # docs/annotated.py -> docs/annotated.md, docs/annotated/
     python docs/tools/render.py --out /tmp/page.md   # the same run, written elsewhere
@@ -19,6 +20,7 @@ import contextlib
 import io
 import os
 import re
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
@@ -27,7 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = re.compile(r"^# %%(.*)$")
 LISTING = re.compile(r"^# (?P<path>(?:[\w-]+/)*[\w-]+\.py), lines (?P<first>\d+)-(?P<last>\d+)$")
-BRANCH = "main"  # the repository's branch that a listing's link points into
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def run(source: Path, out: Path) -> int:
     for old in figures.glob("*.png"):
         old.unlink()
     namespace = {"__name__": "__main__", "__file__": str(source)}
-    repository = f"{_repo_url()}/blob/{BRANCH}"
+    repository = f"{_repo_url()}/blob"
     page = [f"<!-- Written by docs/tools/render.py from {_shown(source)}: edit that file, not this one. -->", ""]
     drawn = 0
     for n, cell in enumerate(cells(source.read_text()), 1):
@@ -125,7 +126,7 @@ def _printout(printed: str, repository: str) -> list[str]:
         listed, i = lines[i + 1 : i + 2 + last - first], i + 2 + last - first
         if not (ROOT / path).is_file() or listed != (ROOT / path).read_text().splitlines()[first - 1 : last]:
             raise ValueError(f"a listing of {path}, lines {first}-{last}, that is not the file's")
-        link = f"[`{path}`, lines {first}–{last}]({repository}/{path}#L{first}-L{last})"
+        link = f"[`{path}`, lines {first}–{last}]({repository}/{_pinned(path)}/{path}#L{first}-L{last})"
         page += [*_text(text), link, "", "```python", *listed, "```", ""]
         text = []
     return page + _text(text)
@@ -135,6 +136,14 @@ def _text(lines: list[str]) -> list[str]:
     """Printed lines as a text block, without the blank lines around them; none if all are blank."""
     body = "\n".join(lines).strip("\n")
     return ["```text", body, "```", ""] if body.strip() else []
+
+
+def _pinned(path: str) -> str:
+    """The commit a listing of `path` links: the last that changed the file, which holds its lines as they are."""
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", path], cwd=ROOT).returncode:
+        raise ValueError(f"a listing of {path}, which has changes not committed: commit them, then render")
+    found = subprocess.run(["git", "log", "-1", "--format=%H", "--", path], cwd=ROOT, capture_output=True, text=True)
+    return found.stdout.strip()
 
 
 def _repo_url() -> str:

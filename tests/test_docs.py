@@ -240,27 +240,39 @@ def test_the_docs_rule_catches_what_it_is_for():
 
 
 EXPERIMENTS_HEADER = "| recipe of | trial | recipe | seeds | Δ val BLEU | kept |"
+UNDATED_GROUP = "## Trials whose date was not recorded"
+UNDATED_HEADER = "| trial | recipe | seeds | Δ val BLEU | kept |"  # EXPERIMENTS_HEADER less the date
 
 
 def experiments_problems(text: str) -> list[str]:
-    """What the experiments page's tables must keep: every table under a heading of its group and with
-    the one header, a date cell that is a date (YYYY-MM-DD) or "undated", dated rows oldest first."""
-    problems, heading, last = [], None, ""
+    """What the experiments page's tables must keep: every table under a heading of its group; in a dated
+    group the one header and a date (YYYY-MM-DD) in every row's first cell, oldest first; the trials whose
+    date was not recorded apart, under UNDATED_GROUP, in tables without the date column."""
+    problems, group, heading, header, last = [], None, None, None, ""
     for line in text.splitlines():
-        if line.startswith("## "):
-            heading, last = line, ""
-        elif line.startswith("| recipe of"):
-            if line != EXPERIMENTS_HEADER:
-                problems.append(f"another header: {line}")
+        if line.startswith(("## ", "### ")):
+            group = line if line.startswith("## ") else group
+            heading, header, last = line, None, ""
+        elif not line.startswith("|"):
+            header = None  # a table ends at its first line that is not a row
+        elif header is None:
+            header = line
+            expected = UNDATED_HEADER if group == UNDATED_GROUP else EXPERIMENTS_HEADER
+            if line != expected:
+                problems.append(f"{heading}: another header: {line}")
             if heading is None:
                 problems.append("a table under no group's heading")
-        elif line.startswith("| ") and not line.startswith("|---"):
-            date = line.split("|")[1].strip()
-            if date != "undated" and not re.fullmatch(r"20\d\d-\d\d-\d\d", date):
-                problems.append(f"a date cell neither a date nor 'undated': {date!r}")
-            elif date != "undated" and date < last:
-                problems.append(f"{heading}: {date} after {last}")
-            last = max(last, date) if date != "undated" else last
+        elif not line.startswith("|---"):
+            first = line.split("|")[1].strip()
+            if header == UNDATED_HEADER:
+                if re.search(DATE, first):
+                    problems.append(f"a dated trial among those whose date was not recorded: {line}")
+            elif not re.fullmatch(r"20\d\d-\d\d-\d\d", first):
+                problems.append(f"{heading}: a date cell that is not a date: {first!r}")
+            elif first < last:
+                problems.append(f"{heading}: {first} after {last}")
+            else:
+                last = first
     return problems
 
 
@@ -272,13 +284,18 @@ def test_the_experiments_are_grouped_under_headings_with_one_date_format_oldest_
 
 def test_the_experiments_rule_catches_what_it_is_for():
     table = f"## A group\n\n{EXPERIMENTS_HEADER}\n|---|---|---|---|---|---|\n"
-    good = "| 2026-11-21 | a | b | 1 | +0.1 | kept |\n| undated | c | d | 1 | 0 | kept |\n"
-    assert experiments_problems(table + good) == []
+    apart = f"{UNDATED_GROUP}\n\n### A group\n\n{UNDATED_HEADER}\n|---|---|---|---|---|\n"
+    good = table + "| 2026-11-21 | a | b | 1 | +0.1 | kept |\n\n" + apart + "| c | d | 1 | 0 | kept |\n"
+    assert experiments_problems(good) == []
     for bad in (
         table + "| 2026-11-22 | a | b | 1 | +0.1 | kept |\n| 2026-11-21 | c | d | 1 | 0 | kept |\n",
         table + "| 2026-11-22 morning | a | b | 1 | +0.1 | kept |\n",
         table + "|  | a | b | 1 | +0.1 | kept |\n",
+        table + "| undated | a | b | 1 | +0.1 | kept |\n",
         f"{EXPERIMENTS_HEADER}\n| 2026-11-21 | a | b | 1 | +0.1 | kept |\n",
+        f"## A group\n\n{UNDATED_HEADER}\n| c | d | 1 | 0 | kept |\n",
+        apart + "| 2026-11-21 a | d | 1 | 0 | kept |\n",
+        f"{UNDATED_GROUP}\n\n{EXPERIMENTS_HEADER}\n| 2026-11-21 | a | b | 1 | +0.1 | kept |\n",
     ):
         assert experiments_problems(bad), bad
 

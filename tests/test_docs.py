@@ -222,6 +222,7 @@ def docs_page_problems(text: str) -> list[str]:
     if HOST_TABLE[0] in text:
         text = text.split(HOST_TABLE[0])[0] + text.split(HOST_TABLE[1])[1]
     text = re.sub(rf"^\| {DATE}[^|]*\|", "|", text, flags=re.M)  # the experiments table's date column
+    text = re.sub(r"/blob/[0-9a-f]{40}/", "/blob/", text)  # a source link's address pins the lines it shows
     checks = {"a date": DATE, "a commit id": COMMIT, "an issue number": ISSUE, "a bench peak": r"GFLOP"}
     return [f"{what}: {m[0]!r}" for what, pattern in checks.items() for m in [re.search(pattern, text)] if m]
 
@@ -234,6 +235,7 @@ def test_a_docs_page_names_no_date_commit_issue_or_bench_peak_outside_the_host_t
 def test_the_docs_rule_catches_what_it_is_for():
     assert docs_page_problems("| 2026-11-21 | a trial | kept |\n") == []  # the experiments table's date column
     assert docs_page_problems("1000001 characters; a 0.80 fill") == []
+    assert docs_page_problems(f"[`a.py`, lines 1–2](https://github.com/o/r/blob/{'ab12' * 10}/a.py#L1-L2)") == []
     for bad in ("measured on 2026-11-21", "the code at 6c41217", "after #81's work", "peaks 333 GFLOP/s"):
         assert docs_page_problems(bad), bad
     assert docs_page_problems("<!-- host classes -->\n| x | 333 GFLOP/s |\n<!-- /host classes -->\n") == []

@@ -1,4 +1,5 @@
-"""Speed of the project's model against the seed-style baseline, side by side in one process.
+"""Speed of the project's model against the baseline, the Annotated Transformer's way, side by side in
+one process.
 
 Run from the repository root (about 11 minutes on 2 cores; --quick: about 1.5 minutes, small size only):
 
@@ -16,10 +17,12 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
   starts. Each row (TRAIN_ROWS) changes one thing from the row it is compared with:
     ours-256, baseline-256: 256 random sentences padded to the batch's longest, about 45% real
       tokens (so ours packs both sides), ours (make_model + StepLoss) against bench/baseline.py,
-      the seed's way of computing the same model, on the very same batches: the code alone.
+      the Annotated Transformer's way of computing the same model, on the very same batches: the code
+      alone.
     plain-fp32, plain-bf16: the project's default batching (token_batches, train.max_tokens),
       a plain update in fp32, and in bf16 autocast with training's attention kernels; against
-    seed-recipe: the baseline on 32 sentences padded to a fixed 72 tokens, as the seed trains.
+    annotated-transformer: the baseline on 32 sentences padded to a fixed 72 tokens, as the Annotated
+      Transformer trains.
     torch-attention-bf16: plain-bf16 with torch's default attention kernel (flash on a CPU).
     rdrop-*: R-Drop (α RDROP) in one forward of both passes; tokens/s counts a batch's tokens
       once (the speed through the corpus), MFU credits both passes. rdrop-shared-* encode once
@@ -27,7 +30,8 @@ d_ff=1024, h=4; base: N=6, d_model=512, d_ff=2048, h=8), pre-norm, dropout 0.1:
       (train.rdrop_share 0.5, 1.5 passes credited), as the default recipe does.
     glibc-*: the plain update on glibc's malloc defaults, large blocks mapped and unmapped each
       update; every other row of ours keeps freed memory as training does on glibc
-      (keep_freed_memory), and the baseline's rows run with glibc's defaults, as the seed does.
+      (keep_freed_memory), and the baseline's rows run with glibc's defaults, as the Annotated
+      Transformer does.
     pad8-*: batch sides padded to multiples of 8 tokens (train.pad_multiple 8), batched for it;
       compiled-*: the same under torch.compile (train.compile; inductor, sizes symbolic),
       compiled in its warm-up updates; compiled-rdrop-half-*: rdrop-half-* under torch.compile.
@@ -49,9 +53,10 @@ under joint BPE 8000 (29,000 pairs; source ≈ 14.8 ± 5.4 tokens, target ≈ 14
 ids in [4, 8000), joint vocabulary, tied embeddings), seeded, so runs are comparable.
 --vocab-dir takes the build_vocab stage's output instead (vocab.pt and train.pt) for real
 token ids; ours then ties embeddings only if the vocabulary is joint (bpe). The baseline never
-ties, as in the seed: that changes the parameter count, not the FLOPs. The baseline rows time
-the model's update or search alone: the seed's own loop also tokenizes with spaCy inside its
-DataLoader, so it runs slower than baseline-256 or seed-recipe.
+ties, as in the Annotated Transformer: that changes the parameter count, not the FLOPs. The
+baseline rows time the model's update or search alone: the Annotated Transformer's own loop also
+tokenizes with spaCy inside its DataLoader, so it runs slower than baseline-256 or
+annotated-transformer.
 
 Other processes on the machine slow every row, small-op rows (decoding, 32-sentence batches)
 the most, as their threads lose the cores. The column "others" is how many cores other
@@ -189,7 +194,7 @@ class TrainRow:
     batches: str  # a key of training_batches
     bf16: bool = False
     vs: str | None = None
-    baseline: bool = False  # the seed's model and update instead of ours
+    baseline: bool = False  # the Annotated Transformer's model and update instead of ours
     default_kernel: bool = False  # torch's attention kernel choice instead of training's
     rdrop: bool = False
     shared_encoder: bool = False  # with rdrop: one encoder pass for both
@@ -208,7 +213,7 @@ class TrainRow:
 
     @property
     def keeps_freed_memory(self) -> bool:
-        """Whether the row keeps freed memory, as training does; the seed's rows do not."""
+        """Whether the row keeps freed memory, as training does; the baseline's rows do not."""
         return not (self.baseline or self.malloc_defaults)
 
 
@@ -216,10 +221,14 @@ TOKENS, TO_8 = "token batches", "token batches to 8"
 TRAIN_ROWS = (
     TrainRow("ours-256", "ours, 256 sentences", "256 sentences", vs="baseline-256"),
     TrainRow("baseline-256", "baseline, 256 sentences", "256 sentences", baseline=True),
-    TrainRow("plain-fp32", "ours, token batches", TOKENS, vs="seed-recipe"),
-    TrainRow("seed-recipe", "baseline, seed recipe", "seed recipe", baseline=True),
-    TrainRow("plain-bf16", "ours, token batches, bf16", TOKENS, bf16=True, vs="seed-recipe"),
-    TrainRow("torch-attention-bf16", "torch's attention kernel", TOKENS, True, "seed-recipe", default_kernel=True),
+    TrainRow("plain-fp32", "ours, token batches", TOKENS, vs="annotated-transformer"),
+    TrainRow(
+        "annotated-transformer", "baseline, the Annotated Transformer's recipe", "annotated recipe", baseline=True
+    ),
+    TrainRow("plain-bf16", "ours, token batches, bf16", TOKENS, bf16=True, vs="annotated-transformer"),
+    TrainRow(
+        "torch-attention-bf16", "torch's attention kernel", TOKENS, True, "annotated-transformer", default_kernel=True
+    ),
     TrainRow("rdrop-fp32", "R-Drop", TOKENS, vs="plain-fp32", rdrop=True),
     TrainRow("rdrop-bf16", "R-Drop", TOKENS, bf16=True, vs="plain-bf16", rdrop=True),
     TrainRow("glibc-fp32", "glibc's malloc defaults", TOKENS, vs="plain-fp32", malloc_defaults=True),

@@ -29,7 +29,7 @@ PARAMS = load_params(ROOT / "params.yaml")  # the default recipe's batching, smo
 SEED = 1234
 SYNTHETIC_VOCAB = 8000
 MULTI30K_TRAIN = 29_000  # sentence pairs
-SEED_PADDING = 72  # the seed recipe's fixed length, source and target with <s> and </s>
+ANNOTATED_PADDING = 72  # the Annotated Transformer's fixed length, source and target with <s> and </s>
 LEARNING_RATE = 1e-4  # training's schedule sets one per update; a fixed one times the same work
 COMPILE_BACKEND = "inductor"  # train.compile's (transformer.training.train.compiled); tests trace with aot_eager
 RDROP = 5.0  # the alpha of the R-Drop preset (params/multi30k_en_de_rdrop.yaml); its cost does not depend on it
@@ -112,7 +112,8 @@ def sentence_batches(corpus: ParallelCorpus, sentences: int, count: int, seed: i
 
 
 def pad_to(batch: Batch, length: int) -> Batch:
-    """The seed's fixed padding: source and <s> target </s> to `length`, so length - 1 after the shift."""
+    """The Annotated Transformer's fixed padding: source and <s> target </s> to `length`, so length - 1
+    after the shift."""
 
     def pad(t: torch.Tensor, n: int) -> torch.Tensor:
         return F.pad(t, (0, n - t.size(1)), value=PAD)
@@ -129,7 +130,7 @@ def training_batches(corpus: ParallelCorpus, count: int) -> dict[str, list[Batch
         "token batches to 8": [
             corpus.batch(i, 8) for i in token_batches(*lens, PARAMS.train.max_tokens, SEED, 8)[:count]
         ],
-        "seed recipe": [pad_to(b, SEED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)],
+        "annotated recipe": [pad_to(b, ANNOTATED_PADDING) for b in sentence_batches(corpus, 32, count, SEED + 1)],
     }
 
 

@@ -37,7 +37,7 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp
         "ours-256",
         "baseline-256",
         "plain-fp32",
-        "seed-recipe",
+        "annotated-transformer",
         "rdrop-fp32",
         "glibc-fp32",
         "rdrop-shared-fp32",
@@ -49,8 +49,8 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp
     assert {r["key"]: r["vs"] for r in rows} == {
         "ours-256": "baseline-256",
         "baseline-256": None,
-        "plain-fp32": "seed-recipe",
-        "seed-recipe": None,
+        "plain-fp32": "annotated-transformer",
+        "annotated-transformer": None,
         "rdrop-fp32": "plain-fp32",
         "glibc-fp32": "plain-fp32",
         "rdrop-shared-fp32": "rdrop-fp32",
@@ -66,8 +66,8 @@ def test_without_a_bf16_peak_the_bf16_rows_are_left_out_and_the_rest_compared(fp
 def test_with_a_bf16_peak_the_bf16_rows_run_in_bf16(data):
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
     assert [(r["key"], r["dtype"], r["vs"]) for r in rows[4:]] == [
-        ("plain-bf16", "bf16", "seed-recipe"),
-        ("torch-attention-bf16", "bf16", "seed-recipe"),
+        ("plain-bf16", "bf16", "annotated-transformer"),
+        ("torch-attention-bf16", "bf16", "annotated-transformer"),
         ("rdrop-fp32", "fp32", "plain-fp32"),
         ("rdrop-bf16", "bf16", "plain-bf16"),
         ("glibc-fp32", "fp32", "plain-fp32"),
@@ -116,7 +116,7 @@ def test_ours_keeps_freed_memory_as_training_does_but_the_glibc_rows_and_the_bas
     monkeypatch.setattr(bench, "keep_freed_memory", lambda keep=True: kept.append(keep))
     rows = bench.training_rows(TINY, data, PLAN, {"fp32": 1.0, "bf16": 1.0})
     keys = [
-        *("ours-256", "baseline-256", "plain-fp32", "seed-recipe", "plain-bf16", "torch-attention-bf16"),
+        *("ours-256", "baseline-256", "plain-fp32", "annotated-transformer", "plain-bf16", "torch-attention-bf16"),
         *("rdrop-fp32", "rdrop-bf16", "glibc-fp32", "glibc-bf16", "rdrop-shared-fp32", "rdrop-shared-bf16"),
         *("rdrop-half-fp32", "rdrop-half-bf16", "pad8-fp32", "compiled-fp32", "pad8-bf16", "compiled-bf16"),
         *("compiled-rdrop-half-fp32", "compiled-rdrop-half-bf16"),
@@ -124,7 +124,7 @@ def test_ours_keeps_freed_memory_as_training_does_but_the_glibc_rows_and_the_bas
     assert [r["key"] for r in rows] == keys
     malloc_defaults = {
         "baseline-256",
-        "seed-recipe",
+        "annotated-transformer",
         "glibc-fp32",
         "glibc-bf16",
     }  # the baseline's rows, and those about glibc's settings

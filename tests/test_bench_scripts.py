@@ -99,13 +99,13 @@ def checkout_copy(tmp_path: Path, appended: str) -> Path:
 
 def test_ab_times_each_checkouts_own_code_on_the_same_batches_and_puts_this_checkouts_modules_back(tmp_path):
     other = checkout_copy(tmp_path, SLOWER)
-    rows = ["--rows", "ours-256,seed-recipe", "--updates", "4", "--warmup", "1"]
+    rows = ["--rows", "ours-256,annotated-transformer", "--updates", "4", "--warmup", "1"]
     run(ab.main, ["--against", str(other), *rows, "--out", str(tmp_path / "ab.json")])
     by_row = {r["row"]: r for r in json.loads((tmp_path / "ab.json").read_text())["rows"]}
-    assert list(by_row) == ["ours-256", "seed-recipe"]
+    assert list(by_row) == ["ours-256", "annotated-transformer"]
     assert by_row["ours-256"]["ms_other"] > by_row["ours-256"]["ms_this"] + 200  # the other's sleep, on its side
     assert by_row["ours-256"]["speed_ratio"] > 1.5
-    assert 0.5 < by_row["seed-recipe"]["median_ratio"] < 2  # the same code on both sides
+    assert 0.5 < by_row["annotated-transformer"]["median_ratio"] < 2  # the same code on both sides
     assert sys.modules["bench.common"] is common and sys.modules["bench.ab"] is ab
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import ROOT, TINY_SIZES
+from test_docs import shell_commands
 
 from bench import ab, common, gpu_attention, gpu_check, gpu_profile, scale, update_profile
 
@@ -319,5 +320,5 @@ def test_gpu_check_without_a_gpu_or_dry_run_stops_with_one_line(tmp_path):
 
 
 def test_the_scale_pages_cuda_test_command_runs_the_files_gpu_check_runs():
-    page = (ROOT / "docs" / "scale.md").read_text()
-    assert f'python -m pytest -k "cuda or gpu" {" ".join(gpu_check.CUDA_TESTS)}\n' in page
+    commands = [" ".join(line.split()) for line in shell_commands(ROOT / "docs" / "scale.md")]
+    assert f'python -m pytest -k "cuda or gpu" {" ".join(gpu_check.CUDA_TESTS)}' in commands

@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test,docs]'
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test,docs,hf]'
 	touch $@
 
 # Ends with the verdict: whether this run reproduced the committed reference of its recipe.

@@ -232,7 +232,14 @@ def score_model(model_paths: tuple[Path, ...], source: Path, target: Path) -> No
 
 
 @main.command()
-@click.option("--format", "fmt", type=click.Choice(["ctranslate2"]), default="ctranslate2", show_default=True)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["ctranslate2", "hf"]),
+    default="ctranslate2",
+    show_default=True,
+    help="hf: a directory Hugging Face transformers loads; the model only, the tokenizer is not exported yet",
+)
 @click.option(
     "--model", "model_path", default="data/model/model.pt", show_default=True, type=click.Path(path_type=Path)
 )
@@ -242,11 +249,21 @@ def score_model(model_paths: tuple[Path, ...], source: Path, target: Path) -> No
     type=click.Choice(CHOICES["export.quantization"]),
     default="none",
     show_default=True,
-    help="weight type; none keeps float32",
+    help="weight type (ctranslate2); none keeps float32",
 )
 @stage
 def export(fmt: str, model_path: Path, out: Path, quantization: str) -> None:
-    """Exports a model file to an inference engine's format (CTranslate2)."""
+    """Exports a model file to an inference engine's format (CTranslate2) or to Hugging Face
+    transformers (hf: the model only; the tokenizer is not exported yet)."""
+    if fmt == "hf":
+        from transformer.errors import DataError
+        from transformer.serving.hf import export_hf
+
+        if quantization != "none":
+            raise DataError(f"--quantization {quantization} is for ctranslate2; hf writes float32")
+        export_hf(model_path, out)
+        click.echo(f"{model_path}: {fmt} model (float32, no tokenizer) in {out}", err=True)
+        return
     from transformer.serving.export import export_ctranslate2
 
     export_ctranslate2(model_path, out, quantization)

@@ -74,11 +74,11 @@ SLOWER = """
 _ours_step = ours_step
 
 
-def ours_step(*args, **kwargs):  # the other checkout's update, 300 ms slower
+def ours_step(*args, **kwargs):  # the other checkout's update, a second slower: more than a loaded host's noise
     step = _ours_step(*args, **kwargs)
 
     def slower(batch):
-        time.sleep(0.3)
+        time.sleep(1.0)
         return step(batch)
 
     return slower
@@ -104,7 +104,7 @@ def test_ab_times_each_checkouts_own_code_on_the_same_batches_and_puts_this_chec
     run(ab.main, ["--against", str(other), *rows, "--out", str(tmp_path / "ab.json")])
     by_row = {r["row"]: r for r in json.loads((tmp_path / "ab.json").read_text())["rows"]}
     assert list(by_row) == ["ours-256", "annotated-transformer"]
-    assert by_row["ours-256"]["ms_other"] > by_row["ours-256"]["ms_this"] + 200  # the other's sleep, on its side
+    assert by_row["ours-256"]["ms_other"] > by_row["ours-256"]["ms_this"] + 500  # the other's sleep, on its side
     assert by_row["ours-256"]["speed_ratio"] > 1.5
     assert 0.5 < by_row["annotated-transformer"]["median_ratio"] < 2  # the same code on both sides
     assert sys.modules["bench.common"] is common and sys.modules["bench.ab"] is ab

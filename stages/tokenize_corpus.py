@@ -21,9 +21,16 @@ def main(params_path: Path, raw: Path, out: Path, report: Path) -> None:
     d, t = params.data, params.tokenize
     splits = sorted({p.name.rsplit(".", 1)[0] for p in raw.glob(f"*.{d.src_lang}")})
     with atomic_dir(out) as tmp:
-        langs = (d.src_lang, d.tgt_lang)
         stats = tokenize_corpus(
-            raw, tmp, splits, langs, "train", t.max_len, workers(), max_ratio=t.max_ratio, dedupe=t.dedupe
+            raw,
+            tmp,
+            splits,
+            (d.src_lang, d.tgt_lang),
+            "train",
+            max_len=t.max_len,
+            workers=workers(),
+            max_ratio=t.max_ratio,
+            dedupe=t.dedupe,
         )
     write_json(report, stats)
     click.echo(", ".join(f"{k}: {v}" for k, v in stats.items()), err=True)

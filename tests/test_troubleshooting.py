@@ -148,7 +148,7 @@ def load(path, e, why):
     raise DataError(f"{path}: checkpoint is empty")
     raise TrainingError(f"loss is {e} at step {why} (epoch 1); stopped")
     raise ConfigError("a " + f"{path} message in parts")
-    raise NotImplementedError("later")
+    raise NotImplementedError("a subclass defines it")
     raise
     raise e
     raise ValueError(why)

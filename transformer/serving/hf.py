@@ -93,6 +93,11 @@ def permutation(d_model: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
+def positions(d_model: int) -> torch.Tensor:
+    """Our position table for POSITIONS positions, in transformers' coordinate order."""
+    return PositionalEncoding(d_model)._table(POSITIONS)[:, permutation(d_model)]
+
+
 def hf_state(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names, float32, with the residual stream's coordinates permuted."""
     w = {k: v.float() for k, v in weights.items()}
@@ -103,7 +108,7 @@ def hf_state(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[s
     if config["tie_embeddings"]:
         state["model.shared.weight"] = source
     if config["norm"] == "pre":  # Pegasus keeps the position tables it is given; Marian rebuilds its own
-        table = PositionalEncoding(config["d_model"])._table(POSITIONS)[:, p]
+        table = positions(config["d_model"])
         state |= {f"model.{side}.embed_positions.weight": table for side in ("encoder", "decoder")}
         for side in ("encoder", "decoder"):
             state |= _norm(w, f"{side}.norm.", f"model.{side}.layer_norm.", p)
@@ -114,18 +119,21 @@ def hf_state(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[s
     return state
 
 
-def _encoder_layer(w: dict[str, torch.Tensor], ours: str, theirs: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+def _encoder_layer(
+    w: dict[str, torch.Tensor], ours: str, theirs: str, p: torch.Tensor, ff_sublayer: int = 1
+) -> dict[str, torch.Tensor]:
+    """Self-attention and the feed-forward network: an encoder layer whole, and of a decoder layer the
+    first sub-layer and the last (its `ff_sublayer`)."""
     state = _attention(w, ours + "self_attn.", theirs + "self_attn.", p)
     state |= _norm(w, ours + "sublayers.0.norm.", theirs + "self_attn_layer_norm.", p)
     state |= _feed_forward(w, ours + "ff.", theirs, p)
-    return state | _norm(w, ours + "sublayers.1.norm.", theirs + "final_layer_norm.", p)
+    return state | _norm(w, f"{ours}sublayers.{ff_sublayer}.norm.", theirs + "final_layer_norm.", p)
 
 
 def _decoder_layer(w: dict[str, torch.Tensor], ours: str, theirs: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    state = _encoder_layer(w, ours, theirs, p)  # self-attention and the feed-forward network, as an encoder's
+    state = _encoder_layer(w, ours, theirs, p, ff_sublayer=2)
     state |= _attention(w, ours + "src_attn.", theirs + "encoder_attn.", p)
-    state |= _norm(w, ours + "sublayers.1.norm.", theirs + "encoder_attn_layer_norm.", p)
-    return state | _norm(w, ours + "sublayers.2.norm.", theirs + "final_layer_norm.", p)
+    return state | _norm(w, ours + "sublayers.1.norm.", theirs + "encoder_attn_layer_norm.", p)
 
 
 def _attention(w: dict[str, torch.Tensor], ours: str, theirs: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -161,7 +169,7 @@ def check_positions(model_dir: Path, d_model: int) -> None:
     from transformers import AutoModelForSeq2SeqLM
 
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
-    ours = PositionalEncoding(d_model)._table(POSITIONS)[:, permutation(d_model)]
+    ours = positions(d_model)
     for side in (model.model.encoder, model.model.decoder):
         gap = float((side.embed_positions.weight.detach() - ours).abs().max())
         if gap > TABLE_TOLERANCE:
